@@ -1,0 +1,59 @@
+# Every target sets up what it needs first. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RECIPES := $(notdir $(patsubst %/,%,$(dir $(wildcard recipes/*/train.py))))
+
+ARGS ?=
+NPROC ?= 1
+SOURCE ?=
+PYTEST_ARGS ?=
+
+.PHONY: help setup test bench new-recipe doctor isc-rehearse clean FORCE
+
+help: ## List the targets
+	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path]"
+	@echo
+	@grep -hE '^[a-zA-Z_%-]+:.*?## ' $(MAKEFILE_LIST) | sort | \
+		awk 'BEGIN {FS = ":.*?## "}; {printf "  %-22s %s\n", $$1, $$2}'
+	@echo
+	@echo "Recipes: $(RECIPES)"
+
+setup: $(STAMP) ## Create .venv and install the project with pip (quick when done)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+prep-%: $(STAMP) FORCE ## Prepare a recipe's data (SOURCE=<dir or file> to use a local copy)
+	$(PY) -m data_prep.$* $(if $(SOURCE),--source "$(SOURCE)")
+
+train-fashion_mnist: prep-fashion_mnist
+
+train-%: $(STAMP) FORCE ## Train a recipe (ARGS="key=value ...", NPROC=n for torchrun)
+ifeq ($(NPROC),1)
+	$(PY) -m recipes.$*.train $(ARGS)
+else
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.$*.train $(ARGS)
+endif
+
+test: $(STAMP) ## Run the test suite (CPU, offline)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP) ## Measure loop overhead, checkpoint stall and throughput; writes benchmarks/RESULTS.md
+	$(PY) -m benchmarks.run $(ARGS)
+
+new-recipe: $(STAMP) ## Copy a recipe with its config and tests: NAME=x [FROM=fashion_mnist]
+	$(PY) -m tools.new_recipe --name "$(NAME)" --from "$(or $(FROM),fashion_mnist)"
+
+clean: ## Remove runs/, outputs/ and caches (keeps data/ and .venv)
+	rm -rf runs outputs multirun .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+FORCE:

@@ -1,0 +1,87 @@
+"""Config schema pieces every recipe shares (Hydra structured configs).
+
+Each recipe composes these into its own top-level dataclass in ``recipes/<r>/config.py`` and
+registers it in Hydra's ConfigStore; ``conf/<r>.yaml`` then only sets values. Because the
+schema is typed, an unknown key or a value of the wrong type fails before any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class LRScaling(str, Enum):
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+class LogBackend(str, Enum):
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+    none = "none"
+
+
+class Mode(str, Enum):
+    max = "max"
+    min = "min"
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 10
+    max_steps: int = 0  # stop after this many optimizer steps; 0 = run all epochs
+    batch_size: int = 128  # per rank, per micro-batch
+    global_batch_size: int = 0  # 0: batch_size x ranks; else kept fixed via gradient accumulation
+    lr_scaling: LRScaling = LRScaling.none
+    lr_reference_batch_size: int = 256  # the batch size the configured LR was tuned for
+    precision: Precision = Precision.fp32
+    grad_clip_norm: float = 0.0  # 0 = no clipping
+    log_every_steps: int = 50
+    eval_every_epochs: int = 1
+    compile: bool = False
+    channels_last: bool = False
+    num_workers: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    # On the ISC, CHECKPOINT_ARTIFACT_PATH is where checkpoints must go.
+    dir: str = "${oc.env:CHECKPOINT_ARTIFACT_PATH,${run_dir}/checkpoints}"
+    every_steps: int = 0  # 0 = not by step count
+    every_seconds: float = 30.0  # wall clock; the ISC interrupts every 90 s in rapid cycling
+    sync_every_steps: int = 10  # how often ranks agree on time/signal triggers
+    keep_last: int = 2
+    keep_best: bool = True
+    best_metric: str = "eval/accuracy"
+    best_mode: Mode = Mode.max
+    async_save: bool = False
+    resume: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    backend: LogBackend = LogBackend.tensorboard
+    # On the ISC, LOSSY_ARTIFACT_PATH is where TensorBoard logs must go.
+    dir: str = "${oc.env:LOSSY_ARTIFACT_PATH,${run_dir}/tensorboard}"
+    progress_bar: bool = True
+    wandb_project: str = "training-recipes"
+    wandb_mode: str = "offline"
+
+
+@dataclass
+class RunConfig:
+    """Fields every recipe's top-level config starts with."""
+
+    recipe: str = "???"
+    name: str = "default"  # the run's name: runs/<recipe>/<name> unless run_dir is set
+    run_dir: str = "runs/${recipe}/${name}"  # deterministic, so a restarted job finds its checkpoints
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda

@@ -1,0 +1,88 @@
+"""Data helpers shared by recipes whose input pipeline runs in DataLoader workers.
+
+Random augmentation inside DataLoader workers normally depends on the worker seeds, which
+PyTorch draws when an iterator is created. A run that resumes mid-epoch creates its iterator
+at a different moment, so its augmentations (and its final weights) would differ from an
+uninterrupted run. :class:`PerSampleSeeded` makes each sample's randomness a function of
+``(seed, epoch, index)`` only, which keeps resume bit-exact whatever the worker count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from common.sampler import ResumableDistributedSampler
+
+
+def sample_seed(*keys: int) -> int:
+    """A 63-bit seed that depends only on ``keys`` (e.g. seed, epoch, index)."""
+    digest = hashlib.blake2b(":".join(map(str, keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
+    """A generator for batch-level augmentation seeded from ``keys`` (e.g. seed, step, rank),
+    so a resumed run draws exactly what the uninterrupted run drew at that step."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(sample_seed(*keys))
+    return generator
+
+
+class PerSampleSeeded(Dataset):
+    """Wraps a dataset whose ``__getitem__`` uses Python, NumPy or torch global randomness.
+
+    Expects ``(epoch, index)`` keys, as yielded by ``ResumableDistributedSampler(yield_epoch=True)``.
+    The global generators are restored afterwards, so using it without workers does not
+    disturb the training process's own random stream.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        seed = sample_seed(self.seed, epoch, index)
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(py_state)
+                np.random.set_state(np_state)
+
+
+def make_loader(
+    dataset: Dataset,
+    sampler: ResumableDistributedSampler,
+    batch_size: int,
+    num_workers: int,
+    pin_memory: bool,
+    collate_fn: Callable | None = None,
+    drop_last: bool = False,
+) -> DataLoader:
+    """A DataLoader over a resumable sampler with the settings that keep a GPU fed."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=4 if num_workers > 0 else None,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+    )

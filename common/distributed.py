@@ -1,0 +1,127 @@
+"""Process-group set-up from torchrun's variables, SLURM's, or neither (one process).
+
+torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT. ``srun python -m ...``
+without torchrun sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID instead; the master is the
+first node of the allocation and the port is derived from the job id so that two jobs on
+one node do not collide. With neither, the run is a single process and no group is made.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from common.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    launcher: str  # "torchrun", "slurm" or "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _slurm_master_addr() -> str:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if nodelist:
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+            ).stdout.split()
+            if out:
+                return out[0]
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    return os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+
+
+def _launch_env() -> tuple[int, int, int, str]:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return (
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", 0)),
+            "torchrun",
+        )
+    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
+        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+        return (
+            int(os.environ["SLURM_PROCID"]),
+            int(os.environ["SLURM_NTASKS"]),
+            int(os.environ.get("SLURM_LOCALID", 0)),
+            "slurm",
+        )
+    return 0, 1, 0, "single"
+
+
+def resolve_device(preference: str, local_rank: int = 0) -> torch.device:
+    """``auto`` picks CUDA when present, else CPU; ``cuda`` without a GPU is a user error."""
+    if preference == "auto":
+        preference = "cuda" if torch.cuda.is_available() else "cpu"
+    if preference == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("device=cuda was asked for but no CUDA GPU is visible; use device=cpu or device=auto")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    if preference == "cpu":
+        return torch.device("cpu")
+    raise UserError(f"device must be auto, cpu or cuda, not {preference!r}")
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: int = 600) -> DistInfo:
+    """Join the process group (nccl on CUDA, gloo on CPU) if launched with several processes."""
+    rank, world_size, local_rank, launcher = _launch_env()
+    device = resolve_device(device_preference, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, launcher=launcher)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Rank ``src``'s value on every rank (the identity in a single process)."""
+    if not dist.is_initialized():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_object(obj: object) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,84 @@
+"""When to checkpoint and when to stop: by steps, by wall clock, and on SIGTERM/SIGUSR1.
+
+SLURM sends SIGUSR1 (``--signal``) or SIGTERM before pre-emption or the time limit; the ISC
+and Kubernetes send SIGTERM. The handler only sets a flag; the training loop finishes its
+step, writes a checkpoint and exits with :data:`common.errors.EXIT_PREEMPTED`.
+
+Every rank must take the same decision at the same step, or a collective would hang. Step
+cadence is the same everywhere by construction; the wall clock and signals are local, so
+every ``sync_every_steps`` steps the ranks agree with one tiny all-reduce (MAX). A single
+process checks every step at no cost.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass(frozen=True)
+class Decision:
+    save: bool
+    stop: bool
+
+
+class StopFlag:
+    """Records the first SIGTERM/SIGUSR1 instead of dying, so the step can finish."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous = {}
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    @property
+    def raised(self) -> bool:
+        return self.signal_name is not None
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+class CheckpointCadence:
+    """Decides after each optimizer step whether to save and whether to stop."""
+
+    def __init__(
+        self,
+        every_steps: int,
+        every_seconds: float,
+        sync_every_steps: int,
+        device: torch.device,
+        stop_flag: StopFlag,
+    ) -> None:
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.sync_every_steps = max(1, sync_every_steps) if self.distributed else 1
+        self.device = device if not self.distributed or dist.get_backend() == "nccl" else torch.device("cpu")
+        self.stop_flag = stop_flag
+        self.last_save = time.monotonic()
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+    def after_step(self, step: int) -> Decision:
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        if step % self.sync_every_steps != 0:
+            return Decision(save=by_steps, stop=False)
+        due = self.every_seconds > 0 and time.monotonic() - self.last_save >= self.every_seconds
+        stop = self.stop_flag.raised
+        if self.distributed:
+            flags = torch.tensor([float(due), float(stop)], device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            due, stop = (value > 0 for value in flags.tolist())
+        return Decision(save=by_steps or due or stop, stop=stop)

@@ -1,0 +1,117 @@
+"""A distributed sampler that can stop anywhere and resume exactly, on any number of ranks.
+
+Policy
+------
+* Each epoch has one global order: a permutation of ``range(num_samples)`` drawn from
+  ``(seed, epoch)`` (or the identity when ``shuffle=False``). It is the same on every rank.
+* Ranks take that order interleaved: rank ``r`` of ``W`` gets positions ``r, r+W, r+2W, ...``.
+  After every rank has taken ``k`` samples, exactly the first ``k*W`` positions are used, so
+  progress is one number, ``consumed``: how many positions of this epoch's order are done.
+* Resuming continues from position ``consumed`` with the *current* world size, so a job that
+  comes back on a different number of ranks splits the rest of the epoch among the new
+  ranks, with no sample skipped or repeated.
+* ``drop_last=True`` (training): every rank gets the same number of samples, so DDP ranks
+  stay in step; the last ``remaining % W`` positions of the epoch (fewer than ``W``
+  samples, a different set each epoch because of the shuffle) are not used this epoch.
+* ``drop_last=False`` (evaluation): every sample is used exactly once; the first
+  ``remaining % W`` ranks get one sample more. There is no padding with repeated samples,
+  so metrics summed over ranks are exact.
+
+With ``yield_epoch=True`` the sampler yields ``(epoch, index)`` pairs so that a dataset wrapped
+in :class:`common.data.PerSampleSeeded` can seed its augmentation from ``(seed, epoch, index)``:
+then augmentations do not depend on which worker or how many workers load a sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableDistributedSampler(Sampler):
+    def __init__(
+        self,
+        num_samples: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        yield_epoch: bool = False,
+    ) -> None:
+        if num_samples <= 0:
+            raise ValueError("the dataset is empty")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.num_samples = num_samples
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.yield_epoch = yield_epoch
+        self.epoch = 0
+        self.consumed = 0
+
+    def set_epoch(self, epoch: int, consumed: int = 0) -> None:
+        """Start ``epoch`` at position ``consumed`` of its global order (0: the beginning)."""
+        if not 0 <= consumed <= self.num_samples:
+            raise ValueError(f"consumed={consumed} is outside 0..{self.num_samples}")
+        self.epoch = epoch
+        self.consumed = consumed
+
+    def global_order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def _remaining_per_rank(self) -> tuple[int, int]:
+        remaining = self.num_samples - self.consumed
+        base, extra = divmod(remaining, self.world_size)
+        if self.drop_last:
+            return base, 0
+        return base, extra
+
+    def __len__(self) -> int:
+        base, extra = self._remaining_per_rank()
+        return base + (1 if self.rank < extra else 0)
+
+    def samples_per_rank_in_epoch(self) -> int:
+        """Samples each rank sees in a whole epoch started from the beginning (``drop_last`` ranks)."""
+        return self.num_samples // self.world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        order = self.global_order(self.epoch)[self.consumed :]
+        mine = order[self.rank :: self.world_size][: len(self)].tolist()
+        if self.yield_epoch:
+            return iter([(self.epoch, index) for index in mine])
+        return iter(mine)
+
+    def advance(self, samples_per_rank: int) -> None:
+        """Record that every rank has finished ``samples_per_rank`` more samples of this epoch."""
+        self.consumed = min(self.num_samples, self.consumed + samples_per_rank * self.world_size)
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue where the saved run stopped; the saved world size may differ from this one."""
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(
+                f"the checkpoint was taken on a dataset of {state['num_samples']} samples, "
+                f"this one has {self.num_samples}"
+            )
+        if state["seed"] != self.seed:
+            raise ValueError(f"the checkpoint used sampler seed {state['seed']}, this run uses {self.seed}")
+        self.set_epoch(state["epoch"], state["consumed"])
