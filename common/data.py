@@ -9,9 +9,10 @@ uninterrupted run. :class:`PerSampleSeeded` makes each sample's randomness a fun
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,24 @@ def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(sample_seed(*keys))
     return generator
+
+
+@contextlib.contextmanager
+def seeded_global_rng(*keys: int) -> Iterator[None]:
+    """Seed Python's, NumPy's and torch's CPU global generators from ``keys`` for the block, and
+    restore them after it: for library code that draws only from global state (timm's Mixup,
+    torchvision's RandAugment), so that a resumed run draws what the uninterrupted run drew."""
+    seed = sample_seed(*keys)
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 class PerSampleSeeded(Dataset):

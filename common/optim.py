@@ -61,3 +61,17 @@ def warmup_cosine(
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def warmup_multistep(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, milestone_steps: list[int], gamma: float
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup from ~0 to the base LR, then the LR times ``gamma`` once per milestone passed
+    (the step-decay schedule of the classic CIFAR and ImageNet ResNet recipes)."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return gamma ** sum(step >= milestone for milestone in milestone_steps)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
