@@ -46,7 +46,7 @@ def seeded_global_rng(*keys: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         random.seed(seed)
         np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that reseeds CUDA too
         try:
             yield
         finally:
