@@ -22,6 +22,7 @@ valid one is used.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -97,15 +98,55 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+class HostStaging:
+    """Host-memory copies of a state for background writes, in buffers reused from save to save.
+
+    The first snapshot allocates one buffer per tensor (page-locked when the tensor is on a
+    GPU, so the device-to-host copies run at full speed and can all be queued before a single
+    synchronisation); later snapshots of a state with the same structure refill them in place,
+    so the training loop pays one memory copy and no allocation. A snapshot's buffers may be
+    refilled only after the previous snapshot has been written.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def snapshot(self, obj: Any) -> Any:
+        """A copy of ``obj`` with every tensor in host memory, complete when this returns."""
+        devices: set[torch.device] = set()
+        copied = self._copy(obj, (), devices)
+        for device in devices:
+            torch.cuda.synchronize(device)
+        return copied
+
+    def _copy(self, obj: Any, key: tuple, devices: set[torch.device]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._copy_tensor(obj.detach(), key, devices)
+        if isinstance(obj, dict):
+            copied = type(obj)((name, self._copy(value, (*key, name), devices)) for name, value in obj.items())
+            if hasattr(obj, "_metadata"):  # module state dicts carry their version numbers here
+                copied._metadata = copy.deepcopy(obj._metadata)
+            return copied
+        if isinstance(obj, (list, tuple)):
+            items = [self._copy(value, (*key, i), devices) for i, value in enumerate(obj)]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # namedtuple or not
+        return copy.deepcopy(obj)  # plain values too: the loop may change them while the writer runs
+
+    def _copy_tensor(self, tensor: torch.Tensor, key: tuple, devices: set[torch.device]) -> torch.Tensor:
+        on_gpu = tensor.device.type == "cuda"
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty_like(tensor, device="cpu", pin_memory=on_gpu)
+            self._buffers[key] = buffer
+        buffer.copy_(tensor, non_blocking=on_gpu)
+        if on_gpu:
+            devices.add(tensor.device)
+        return buffer
+
+
 def snapshot_to_cpu(obj: Any) -> Any:
     """A deep copy of ``obj`` with every tensor copied to host memory (for background writes)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {key: snapshot_to_cpu(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot_to_cpu(value) for value in obj)
-    return obj
+    return HostStaging().snapshot(obj)
 
 
 @dataclass
@@ -125,7 +166,9 @@ class CheckpointManager:
 
     Rank 0 writes ``state.pt``; with ``sharded_state`` every rank writes its shard through
     ``torch.distributed.checkpoint``. With ``async_save=True`` the state is copied to host
-    memory and written by a background thread, at most one save in flight.
+    memory and written by a background thread, at most one save in flight; the write is the
+    same atomic sequence, so a crash during it leaves the previous checkpoint as the newest.
+    Call :meth:`wait` before the process exits: the writer is a daemon thread.
     """
 
     def __init__(
@@ -150,6 +193,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.log = log
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self._staging = HostStaging()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         if self.is_main:
@@ -170,7 +214,12 @@ class CheckpointManager:
         metrics: dict[str, float] | None = None,
         sharded_state: dict[str, Any] | None = None,
     ) -> None:
-        """Write checkpoint ``step``. Blocks until it is complete unless ``async_save`` is on."""
+        """Write checkpoint ``step``. Blocks until it is complete unless ``async_save`` is on.
+
+        With ``async_save`` (and no ``sharded_state``, which is always written synchronously)
+        it waits for the previous background save, copies ``state`` to host memory and returns;
+        :meth:`wait` (or the next save or load) blocks until the write is complete.
+        """
         self.wait()
         metrics = dict(metrics or {})
         name = checkpoint_name(step)
@@ -188,11 +237,10 @@ class CheckpointManager:
             distributed.barrier()
             return
         if self.async_save and sharded_state is None:
-            snapshot = snapshot_to_cpu(state)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            snapshot = self._staging.snapshot(state)  # the only part of an async save the loop waits for
             self._thread = threading.Thread(
-                target=self._write_in_background, args=(step, tmp, snapshot, metrics), daemon=True
+                target=self._write_in_background, args=(step, tmp, snapshot, metrics), name="checkpoint-writer",
+                daemon=True,
             )
             self._thread.start()
         else:
