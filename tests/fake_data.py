@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import tarfile
 from pathlib import Path
@@ -65,3 +66,135 @@ def write_cifar100_tarball(path: Path, n_train: int = 48, n_test: int = 16, seed
             info.size = len(payload)
             tar.addfile(info, io.BytesIO(payload))
     return path
+
+
+def voc_palette() -> list[int]:
+    """The Pascal VOC colour map: 256 RGB entries, index i's colour from the bits of i."""
+    palette = []
+    for index in range(256):
+        red = green = blue = 0
+        value = index
+        for bit in range(8):
+            red |= ((value >> 0) & 1) << (7 - bit)
+            green |= ((value >> 1) & 1) << (7 - bit)
+            blue |= ((value >> 2) & 1) << (7 - bit)
+            value >>= 3
+        palette += [red, green, blue]
+    return palette
+
+
+def _object_image(rng: np.random.Generator, height: int, width: int, boxes: list[tuple[int, int, int, int, int]]):
+    """A noisy RGB image with one colour per class inside each box (y0, x0, y1, x1, class)."""
+    from PIL import Image
+
+    pixels = rng.integers(0, 50, size=(height, width, 3)).astype(np.uint8)
+    for y0, x0, y1, x1, label in boxes:
+        pixels[y0:y1, x0:x1] = (np.array(voc_palette()[3 * label : 3 * label + 3]) * 0.8 + 40).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def write_voc(root: Path, n_train: int = 16, n_val: int = 4, classes: tuple[int, ...] = (1, 7, 15),
+              seed: int = 0) -> Path:
+    """A Pascal VOC 2012 segmentation tree: JPEGImages/*.jpg, SegmentationClass/*.png (palette
+    PNGs whose object outlines are 255, like VOC's) and ImageSets/Segmentation/{train,val}.txt.
+    Images come in three sizes so evaluation sees varying shapes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    sizes = [(40, 56), (56, 40), (48, 48)]
+    for folder in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", n_train), ("val", n_val)):
+        names = []
+        for i in range(count):
+            name = f"2007_{split}_{i:04d}"
+            height, width = sizes[i % len(sizes)]
+            label = int(classes[i % len(classes)])
+            y0, x0 = int(rng.integers(2, height // 3)), int(rng.integers(2, width // 3))
+            y1, x1 = int(rng.integers(2 * height // 3, height - 2)), int(rng.integers(2 * width // 3, width - 2))
+            _object_image(rng, height, width, [(y0, x0, y1, x1, label)]).save(
+                root / "JPEGImages" / f"{name}.jpg", quality=95)
+            mask = np.zeros((height, width), dtype=np.uint8)
+            mask[y0 - 1 : y1 + 1, x0 - 1 : x1 + 1] = 255
+            mask[y0:y1, x0:x1] = label
+            png = Image.fromarray(mask)
+            png.putpalette(voc_palette())
+            png.save(root / "SegmentationClass" / f"{name}.png")
+            names.append(name)
+        (root / "ImageSets" / "Segmentation" / f"{split}.txt").write_text("".join(f"{n}\n" for n in names))
+    return root
+
+
+def coco_rle(mask: np.ndarray) -> dict:
+    """A bool mask as COCO's uncompressed RLE (column-major runs, starting with zeros)."""
+    flat = mask.T.reshape(-1).astype(np.uint8)
+    changes = np.flatnonzero(np.diff(flat)) + 1
+    bounds = np.concatenate([[0], changes, [flat.size]])
+    counts = np.diff(bounds).tolist()
+    if flat[0] == 1:
+        counts = [0, *counts]
+    return {"counts": counts, "size": list(mask.shape)}
+
+
+def _box_polygon(y0: int, x0: int, y1: int, x1: int) -> list[list[float]]:
+    return [[x0, y0, x1, y0, x1, y1, x0, y1]]
+
+
+def write_coco(root: Path, n_extra_train: int = 8, seed: int = 0) -> Path:
+    """A COCO 2017 tree: {train,val}2017/*.jpg and annotations/instances_{train,val}2017.json.
+
+    Images 1-4 of train are the hand-made cases (48x40 each):
+    1. person (COCO 1, VOC 15) box y4-30 x4-30 and car (COCO 3, VOC 7) box y10-36 x20-44,
+       overlapping on y10-30 x20-30: overlap becomes 255;
+    2. a crowd dog (COCO 18, VOC 12) as uncompressed RLE on y5-35 x5-40, and a traffic light
+       (COCO 10, not a VOC class) polygon on y0-4 x0-48: ignored;
+    3. only the traffic light: dropped from train (no VOC object);
+    4. a 10x10 person: dropped from train (VOC objects cover <= 1000 pixels).
+    Then ``n_extra_train`` images with one large box each. Val: one person image and one image
+    without annotations (kept: val keeps every image).
+    """
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    height, width = 40, 48
+    categories = [{"id": i, "name": n, "supercategory": "x"}
+                  for i, n in ((1, "person"), (3, "car"), (10, "traffic light"), (18, "dog"), (44, "bottle"))]
+    voc_of = {1: 15, 3: 7, 10: 0, 18: 12, 44: 5}
+
+    def box(image_id: int, ann_id: int, category: int, y0: int, x0: int, y1: int, x1: int, crowd: bool = False):
+        mask = np.zeros((height, width), dtype=bool)
+        mask[y0:y1, x0:x1] = True
+        segmentation = coco_rle(mask) if crowd else _box_polygon(y0, x0, y1, x1)
+        return {"id": ann_id, "image_id": image_id, "category_id": category, "segmentation": segmentation,
+                "area": float((y1 - y0) * (x1 - x0)), "bbox": [x0, y0, x1 - x0, y1 - y0], "iscrowd": int(crowd)}
+
+    splits = {
+        "train": {
+            1: [(1, 4, 4, 30, 30, False), (3, 10, 20, 36, 44, False)],
+            2: [(18, 5, 5, 35, 40, True), (10, 0, 0, 4, 48, False)],
+            3: [(10, 0, 0, 4, 48, False)],
+            4: [(1, 10, 10, 20, 20, False)],
+        },
+        "val": {101: [(1, 6, 6, 34, 40, False)], 102: []},
+    }
+    for offset in range(n_extra_train):
+        category = (1, 3, 18, 44)[offset % 4]
+        y0, x0 = int(rng.integers(1, 8)), int(rng.integers(1, 8))
+        splits["train"][5 + offset] = [(category, y0, x0, y0 + 30, x0 + 36, False)]
+    ann_id = 1
+    for split, images in splits.items():
+        folder = root / f"{split}2017"
+        folder.mkdir(parents=True, exist_ok=True)
+        image_entries, annotations = [], []
+        for image_id, boxes in images.items():
+            file_name = f"{image_id:012d}.jpg"
+            _object_image(rng, height, width, [(y0, x0, y1, x1, voc_of[c]) for c, y0, x0, y1, x1, _ in boxes]).save(
+                folder / file_name, quality=95)
+            image_entries.append({"id": image_id, "file_name": file_name, "height": height, "width": width})
+            for category, y0, x0, y1, x1, crowd in boxes:
+                annotations.append(box(image_id, ann_id, category, y0, x0, y1, x1, crowd))
+                ann_id += 1
+        (root / "annotations").mkdir(parents=True, exist_ok=True)
+        (root / "annotations" / f"instances_{split}2017.json").write_text(
+            json.dumps({"images": image_entries, "annotations": annotations, "categories": categories}))
+    return root

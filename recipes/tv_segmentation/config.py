@@ -1,0 +1,65 @@
+"""The tv_segmentation config schema; ``conf/tv_segmentation.yaml`` sets its values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hydra.core.config_store import ConfigStore
+
+from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
+
+
+class DatasetName(str, Enum):
+    voc = "voc"  # Pascal VOC 2012: JPEGImages/, SegmentationClass/, ImageSets/Segmentation/
+    coco = "coco"  # COCO 2017 with masks of the 20 VOC classes written by `make prep-tv_segmentation`
+
+
+@dataclass
+class DataConfig:
+    dataset: DatasetName = DatasetName.voc
+    root: str = "data/tv_segmentation/voc"  # the VOC2012 folder, or the prepared COCO folder
+    train_split: str = "train"
+    val_split: str = "val"
+    base_size: int = 520  # training resizes the shorter side to [min_scale, max_scale] x this; eval to this
+    crop_size: int = 480  # training crop; smaller images are padded (image with 0, mask with 255)
+    min_scale: float = 0.5
+    max_scale: float = 2.0
+    hflip_prob: float = 0.5
+    eval_batch_size: int = 1  # torchvision evaluates one image at a time; >1 pads masks with 255
+
+
+@dataclass
+class ModelConfig:
+    name: str = "deeplabv3_mobilenet_v3_large"  # any torchvision segmentation model
+    num_classes: int = 21  # background + the 20 VOC classes
+    aux_loss: bool = True
+    aux_weight: float = 0.5
+    weights: str = ""  # whole-model weights: a state-dict file or a torchvision name (…_Weights.X)
+    weights_backbone: str = ""  # backbone weights: a state-dict file or a torchvision name
+    sync_batchnorm: bool = True  # BatchNorm statistics over the global batch under DDP
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    aux_lr_multiplier: float = 10.0  # the auxiliary head trains at 10x the base LR
+    poly_power: float = 0.9
+    warmup_epochs: float = 0.0
+    warmup_start_factor: float = 0.01
+
+
+@dataclass
+class TvSegmentationConfig(RunConfig):
+    recipe: str = "tv_segmentation"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+ConfigStore.instance().store(name="tv_segmentation_schema", node=TvSegmentationConfig)

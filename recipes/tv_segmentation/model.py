@@ -1,0 +1,117 @@
+"""torchvision segmentation models by name, with weights from a local file or a torchvision name.
+
+A weights value is either a path to a state-dict file (``torch.save`` of a state dict, or of
+a checkpoint with a ``"model"`` entry) or a torchvision weights name such as
+``MobileNet_V3_Large_Weights.IMAGENET1K_V1``, which torchvision downloads to its cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from common.errors import UserError
+from recipes.tv_segmentation.config import ModelConfig
+
+
+def available_models() -> list[str]:
+    return torchvision.models.list_models(module=torchvision.models.segmentation)
+
+
+def _is_local(weights: str) -> bool:
+    return Path(weights).is_file() or "/" in weights or weights.endswith((".pt", ".pth"))
+
+
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    if not Path(path).is_file():
+        raise UserError(f"weights file {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a pickle that is not a plain state dict, or a damaged file
+        raise UserError(f"{path} is not a readable state dict ({str(error).splitlines()[0]})") from error
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"{path} does not hold a state dict of tensors")
+    return state
+
+
+def load_backbone(backbone: nn.Module, path: str) -> int:
+    """Load a classification network's weights into a segmentation backbone; return the count.
+
+    Backbone keys are the classifier's (ResNet) or its ``features.`` keys (MobileNetV3); the
+    classifier's head is not used. Every backbone tensor must be found with the same shape.
+    """
+    source = read_state_dict(path)
+    target = backbone.state_dict()
+    loaded = {}
+    for key, tensor in target.items():
+        match = source.get(key, source.get(f"features.{key}"))
+        if match is None or match.shape != tensor.shape:
+            raise UserError(f"{path} does not fit the backbone: {key} {tuple(tensor.shape)} is "
+                            f"{'missing' if match is None else f'{tuple(match.shape)} there'}")
+        loaded[key] = match
+    backbone.load_state_dict(loaded)
+    return len(loaded)
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    if cfg.name not in available_models():
+        raise UserError(f"model.name={cfg.name} is not a torchvision segmentation model; "
+                        f"choose one of {', '.join(available_models())}")
+    hub_weights = cfg.weights if cfg.weights and not _is_local(cfg.weights) else None
+    hub_backbone = cfg.weights_backbone if cfg.weights_backbone and not _is_local(cfg.weights_backbone) else None
+    options = {"aux_loss": True} if cfg.aux_loss else {}
+    try:
+        model = torchvision.models.get_model(cfg.name, weights=hub_weights, weights_backbone=hub_backbone,
+                                             num_classes=cfg.num_classes, **options)
+    except (KeyError, ValueError, NotImplementedError) as error:
+        raise UserError(f"cannot build {cfg.name} with weights={cfg.weights!r}, "
+                        f"weights_backbone={cfg.weights_backbone!r}: {error}") from error
+    if cfg.weights_backbone and hub_backbone is None:
+        load_backbone(model.backbone, cfg.weights_backbone)
+    if cfg.weights and hub_weights is None:
+        try:
+            model.load_state_dict(read_state_dict(cfg.weights))
+        except RuntimeError as error:
+            raise UserError(f"{cfg.weights} does not fit {cfg.name}: {str(error).splitlines()[1].strip()}") from error
+    return model
+
+
+def param_groups(model: nn.Module, aux_lr: float) -> list[dict]:
+    """torchvision's groups: backbone and main head at the base LR, auxiliary head at 10x;
+    weight decay on every parameter, as the reference does."""
+    unwrapped = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    groups = [{"params": [p for p in unwrapped.backbone.parameters() if p.requires_grad]},
+              {"params": [p for p in unwrapped.classifier.parameters() if p.requires_grad]}]
+    aux = getattr(unwrapped, "aux_classifier", None)
+    if aux is not None:
+        groups.append({"params": [p for p in aux.parameters() if p.requires_grad],
+                       "lr": aux_lr})
+    return groups
+
+
+def warmup_poly(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, power: float,
+                start_factor: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup from ``start_factor``, then ``(1 - t)^power`` decay to 0 (torchvision's
+    LinearLR + PolynomialLR), as a per-step LambdaLR whose state is just the step count."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return start_factor + (1 - start_factor) * step / warmup_steps
+        decay_steps = max(1, total_steps - warmup_steps)
+        return (1 - min(step - warmup_steps, decay_steps) / decay_steps) ** power
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def segmentation_loss(outputs: dict[str, torch.Tensor], target: torch.Tensor, aux_weight: float) -> torch.Tensor:
+    """Cross entropy ignoring 255, plus ``aux_weight`` x the auxiliary head's."""
+    loss = nn.functional.cross_entropy(outputs["out"], target, ignore_index=255)
+    if "aux" in outputs:
+        loss = loss + aux_weight * nn.functional.cross_entropy(outputs["aux"], target, ignore_index=255)
+    return loss
+
