@@ -1,0 +1,139 @@
+"""CIFAR-100 as uint8 tensors on the training device, augmented a whole batch at a time.
+
+The dataset (150 MB) lives on the device, so a batch is one gather and the augmentation runs
+on tensors where the model runs: no DataLoader workers, no PIL. Every random draw comes from
+the step's seeded generator (crop, flip, rotation, erasing) or from global generators seeded
+for the step and restored afterwards (torchvision's TrivialAugment/RandAugment, timm's Mixup),
+so a run resumed at step ``s`` augments exactly as the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from timm.data import Mixup
+from torchvision.transforms import v2
+
+from common import cifar100
+from common.data import seeded_global_rng
+from common.errors import UserError
+from recipes.cifar100_resnet50.config import DataConfig
+
+# Per-channel mean and std of the CIFAR-100 training images, in [0, 1].
+MEAN = (0.5071, 0.4865, 0.4409)
+STD = (0.2673, 0.2564, 0.2762)
+ERASE_SCALE = (0.02, 1 / 3)  # fraction of the image a random-erasing rectangle covers (timm's default)
+ERASE_LOG_RATIO = (math.log(0.3), math.log(1 / 0.3))  # its aspect ratio
+
+
+def load_split(root: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images ``[N, 3, 32, 32]`` uint8 and fine labels ``[N]`` int64 of ``split`` (train or test)."""
+    data = cifar100.load_split(root, split)
+    if len(data.labels) == 0:
+        raise UserError(f"the CIFAR-100 {split} split under {root} holds no images")
+    return data.images, data.labels
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[B, 3, H, W]`` (or float in [0, 1]) to normalized float."""
+    if images.dtype == torch.uint8:
+        images = images.float() / 255.0
+    mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1)
+    std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1)
+    return (images - mean) / std
+
+
+def crop_and_flip(images: torch.Tensor, padding: int, flip: bool, generator: torch.Generator) -> torch.Tensor:
+    """Random crop after zero padding and random horizontal flip, per sample, on a whole batch."""
+    batch, _, height, width = images.shape
+    device = images.device
+    if padding > 0:
+        padded = F.pad(images, (padding,) * 4).permute(0, 2, 3, 1)  # [B, H + 2p, W + 2p, C]
+        offsets = torch.randint(0, 2 * padding + 1, (2, batch), generator=generator, device=device)
+        rows = offsets[0, :, None] + torch.arange(height, device=device)
+        cols = offsets[1, :, None] + torch.arange(width, device=device)
+        batch_index = torch.arange(batch, device=device)[:, None, None]
+        images = padded[batch_index, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+    if flip:
+        flips = torch.rand(batch, generator=generator, device=device) < 0.5
+        images = torch.where(flips[:, None, None, None], images.flip(-1), images)
+    return images.contiguous()
+
+
+def rotate(images: torch.Tensor, degrees: float, generator: torch.Generator) -> torch.Tensor:
+    """Rotate each image by its own angle in ``[-degrees, degrees]`` about its centre; nearest
+    neighbour, corners filled with zeros (torchvision's ``RandomRotation`` on a batch)."""
+    batch = images.shape[0]
+    angles = (torch.rand(batch, generator=generator, device=images.device) * 2 - 1) * math.radians(degrees)
+    cos, sin, zero = angles.cos(), angles.sin(), torch.zeros_like(angles)
+    theta = torch.stack([torch.stack([cos, -sin, zero], 1), torch.stack([sin, cos, zero], 1)], 1)
+    grid = F.affine_grid(theta, list(images.shape), align_corners=False)
+    return F.grid_sample(images, grid, mode="nearest", padding_mode="zeros", align_corners=False)
+
+
+def random_erase(images: torch.Tensor, probability: float, generator: torch.Generator) -> torch.Tensor:
+    """Replace one random rectangle per image (with ``probability``) by per-pixel normal noise,
+    as timm's ``RandomErasing(mode="pixel")`` does, for a whole batch at once."""
+    batch, _, height, width = images.shape
+    device = images.device
+
+    def uniform(low: float, high: float) -> torch.Tensor:
+        return low + (high - low) * torch.rand(batch, generator=generator, device=device)
+
+    area = uniform(*ERASE_SCALE) * height * width
+    aspect = uniform(*ERASE_LOG_RATIO).exp()
+    box_h = (area * aspect).sqrt().round().clamp(1, height)
+    box_w = (area / aspect).sqrt().round().clamp(1, width)
+    top = (uniform(0, 1) * (height - box_h + 1)).floor()
+    left = (uniform(0, 1) * (width - box_w + 1)).floor()
+    erase = uniform(0, 1) < probability
+    rows = torch.arange(height, device=device)[None, :, None]
+    cols = torch.arange(width, device=device)[None, None, :]
+    inside = ((rows >= top[:, None, None]) & (rows < (top + box_h)[:, None, None])
+              & (cols >= left[:, None, None]) & (cols < (left + box_w)[:, None, None]) & erase[:, None, None])
+    noise = torch.randn(images.shape, generator=generator, device=device, dtype=images.dtype)
+    return torch.where(inside[:, None], noise, images)
+
+
+class TrainAugmentation:
+    """The configured training augmentation: uint8 images and labels in, model inputs and
+    targets out (class indices, or soft targets when mixup/cutmix is on)."""
+
+    def __init__(self, cfg: DataConfig, label_smoothing: float, num_classes: int = cifar100.NUM_CLASSES) -> None:
+        self.cfg = cfg
+        self.policy: v2.Transform | None = None
+        if cfg.auto_augment == "trivialaugment":
+            self.policy = v2.TrivialAugmentWide()
+        elif cfg.auto_augment == "randaugment":
+            self.policy = v2.RandAugment(num_ops=cfg.randaugment_ops, magnitude=cfg.randaugment_magnitude)
+        self.mixup = None
+        if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
+            self.mixup = Mixup(mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, prob=cfg.mix_prob,
+                               switch_prob=cfg.mix_switch_prob, mode="batch", label_smoothing=label_smoothing,
+                               num_classes=num_classes)
+
+    @property
+    def soft_targets(self) -> bool:
+        return self.mixup is not None
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, generator: torch.Generator,
+                 *rng_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``generator`` and ``rng_keys`` (seed, step, rank, micro-batch) fix every random draw."""
+        cfg = self.cfg
+        images = crop_and_flip(images, cfg.random_crop_padding, cfg.horizontal_flip, generator)
+        if self.policy is not None:
+            with seeded_global_rng(*rng_keys):
+                images = torch.stack([self.policy(image) for image in images])
+        images = images.float() / 255.0
+        if cfg.rotation_degrees > 0:
+            images = rotate(images, cfg.rotation_degrees, generator)
+        images = normalize(images)
+        if cfg.random_erasing > 0:
+            images = random_erase(images, cfg.random_erasing, generator)
+        if self.mixup is None:
+            return images, labels
+        with seeded_global_rng(*rng_keys):
+            return self.mixup(images, labels)
