@@ -26,6 +26,7 @@ import copy
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import sys
 import threading
@@ -371,7 +372,11 @@ class CheckpointManager:
         if chosen is None:
             return None
         path, step, metrics = Path(chosen[0]), chosen[1], chosen[2]
-        state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
+        try:
+            state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise CheckpointError(f"{path / STATE_FILE} holds objects other than tensors and plain data; "
+                                  f"refusing to load it ({str(error).splitlines()[0]})") from error
         if sharded_state is not None:
             import torch.distributed.checkpoint as dcp
 

@@ -168,7 +168,9 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
 
     # ---- training loop --------------------------------------------------------------------
     model.train()
-    while not progress.finished and not training_done():
+    if not training_done():
+        progress.finished = False  # a finished run restarted with more epochs or steps goes on
+    while not training_done():
         micro_batches = torch.tensor(list(sampler), dtype=torch.long, device=device).split(micro_batch)
         steps_left_in_epoch = math.ceil(len(micro_batches) / accumulate)
         bar = logger.progress(steps_per_epoch, initial=steps_per_epoch - steps_left_in_epoch,

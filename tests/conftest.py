@@ -1,0 +1,84 @@
+"""Shared fixtures: the repo root, tiny datasets, and running recipes as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fake_data import write_fashion_mnist
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def recipe_env(**extra: str) -> dict[str, str]:
+    """The environment recipes run in during tests: offline, 1 thread per process, no ISC paths."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("CHECKPOINT_ARTIFACT_PATH", "LOSSY_ARTIFACT_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra})
+    return env
+
+
+def recipe_command(recipe: str, overrides: list[str], nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", f"recipes.{recipe}.train", *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", f"recipes.{recipe}.train", *overrides]
+
+
+def run_recipe(recipe: str, overrides: list[str], nproc: int = 1, timeout: float = 300,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(recipe_command(recipe, overrides, nproc), cwd=REPO, env=env or recipe_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_recipe(recipe: str, overrides: list[str], nproc: int = 1,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a run in its own process group, so a test can SIGKILL every rank at once."""
+    return subprocess.Popen(recipe_command(recipe, overrides, nproc), cwd=REPO, env=env or recipe_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def latest_step(checkpoint_dir: Path) -> int:
+    try:
+        return int((checkpoint_dir / "latest").read_text().strip().split("_")[1])
+    except (FileNotFoundError, IndexError, ValueError):
+        return -1
+
+
+def wait_for_step(checkpoint_dir: Path, step: int, process: subprocess.Popen, timeout: float = 120) -> int:
+    """Poll until a checkpoint at ``step`` or later exists; fail if the run ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reached = latest_step(checkpoint_dir)
+        if reached >= step:
+            return reached
+        if process.poll() is not None:
+            output = process.stdout.read() if process.stdout else ""
+            pytest.fail(f"the run ended (code {process.returncode}) before step {step}:\n{output[-3000:]}")
+        time.sleep(0.02)
+    pytest.fail(f"no checkpoint at step {step} within {timeout} s")
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def fashion_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Fashion-MNIST in the original IDX format (256 train, 64 test images)."""
+    return write_fashion_mnist(tmp_path_factory.mktemp("fashion_mnist"))

@@ -1,0 +1,181 @@
+"""fashion_mnist end to end on a tiny IDX dataset: outputs, bit-exact resume, signals, errors."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    assert_ok,
+    latest_step,
+    read_summary,
+    run_recipe,
+    start_recipe,
+    wait_for_step,
+)
+
+RECIPE = "fashion_mnist"
+TINY = [
+    "model.channels=[4,8]",
+    "model.hidden=16",
+    "trainer.batch_size=16",
+    "logging.backend=none",
+    "logging.progress_bar=false",
+    "checkpoint.every_seconds=0",
+]
+
+
+def overrides(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [f"data.root={data}", f"run_dir={run_dir}", *TINY, *extra]
+
+
+def test_end_to_end_writes_summary_checkpoints_and_tensorboard(fashion_data: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_recipe(RECIPE, overrides(fashion_data, run_dir, "trainer.epochs=3", "logging.backend=tensorboard"))
+    assert_ok(result)
+    summary = read_summary(run_dir)
+    assert summary["steps"] == 3 * (256 // 16)
+    assert summary["epochs"] == 3
+    assert summary["resumes"] == 0
+    assert summary["world_size"] == 1
+    assert len(summary["model_digest"]) == 64
+    assert summary["metrics"]["eval/accuracy"] > 0.5, "the tiny dataset is learnable; training did not learn"
+    assert summary["wall_time_s"] > 0
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "checkpoints" / "latest").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert str(run_dir / "summary.json") in result.stdout
+
+    again = run_recipe(RECIPE, overrides(fashion_data, run_dir, "trainer.epochs=3"))
+    assert_ok(again)
+    assert "resumed from" in again.stdout
+    rerun = read_summary(run_dir)
+    assert rerun["steps"] == summary["steps"] and rerun["model_digest"] == summary["model_digest"]
+    assert rerun["resumes"] == 1
+
+
+def test_same_seed_same_digest_and_another_seed_differs(fashion_data: Path, tmp_path: Path) -> None:
+    digests = []
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        run_dir = tmp_path / name
+        assert_ok(run_recipe(RECIPE, overrides(fashion_data, run_dir, "trainer.epochs=1", f"seed={seed}")))
+        digests.append(read_summary(run_dir)["model_digest"])
+    assert digests[0] == digests[1]
+    assert digests[0] != digests[2]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigkill_at_a_random_step_then_resume_is_bit_exact(fashion_data: Path, tmp_path: Path, nproc: int) -> None:
+    settings = ["trainer.epochs=4", "checkpoint.every_steps=1", "data.random_crop_padding=2",
+                "data.horizontal_flip=true", "seed=5"]
+    reference = tmp_path / "reference"
+    assert_ok(run_recipe(RECIPE, overrides(fashion_data, reference, *settings), nproc=nproc))
+
+    interrupted = tmp_path / "interrupted"
+    steps_total = read_summary(reference)["steps"]
+    kill_after = random.Random(nproc).randint(3, steps_total // 2)
+    process = start_recipe(RECIPE, overrides(fashion_data, interrupted, *settings), nproc=nproc)
+    wait_for_step(interrupted / "checkpoints", kill_after, process)
+    os.killpg(process.pid, signal.SIGKILL)  # every rank (and torchrun) at once, no clean-up
+    process.wait()
+    assert not (interrupted / "summary.json").exists(), "the run finished before it could be killed"
+    killed_at = latest_step(interrupted / "checkpoints")
+    assert 0 < killed_at < steps_total
+
+    result = run_recipe(RECIPE, overrides(fashion_data, interrupted, *settings), nproc=nproc)
+    assert_ok(result)
+    assert "resumed from" in result.stdout
+    resumed, uninterrupted = read_summary(interrupted), read_summary(reference)
+    assert resumed["resumes"] == 1
+    assert resumed["steps"] == uninterrupted["steps"]
+    assert resumed["model_digest"] == uninterrupted["model_digest"]
+
+
+def test_sigterm_checkpoints_exits_75_and_the_rerun_continues(fashion_data: Path, tmp_path: Path) -> None:
+    settings = ["trainer.epochs=6", "checkpoint.every_steps=4"]
+    reference = tmp_path / "reference"
+    assert_ok(run_recipe(RECIPE, overrides(fashion_data, reference, *settings)))
+
+    run_dir = tmp_path / "run"
+    process = start_recipe(RECIPE, overrides(fashion_data, run_dir, *settings))
+    wait_for_step(run_dir / "checkpoints", 8, process)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 75, output
+    assert "received SIGTERM: checkpoint saved at step" in output
+    stopped_at = latest_step(run_dir / "checkpoints")
+    assert f"step {stopped_at}" in output
+    assert not (run_dir / "summary.json").exists()
+
+    result = run_recipe(RECIPE, overrides(fashion_data, run_dir, *settings))
+    assert_ok(result)
+    assert f"(step {stopped_at}," in result.stdout
+    assert read_summary(run_dir)["model_digest"] == read_summary(reference)["model_digest"]
+
+
+def test_gradient_accumulation_keeps_the_effective_batch_on_fewer_ranks(fashion_data: Path, tmp_path: Path) -> None:
+    two_ranks = tmp_path / "two"
+    one_rank = tmp_path / "one"
+    common = ["trainer.epochs=1", "trainer.global_batch_size=32"]
+    result_two = run_recipe(RECIPE, overrides(fashion_data, two_ranks, *common), nproc=2)
+    result_one = run_recipe(RECIPE, overrides(fashion_data, one_rank, *common))
+    assert_ok(result_two)
+    assert_ok(result_one)
+    assert "global batch 32 (16 x 2 ranks x 1 accumulation)" in result_two.stdout
+    assert "global batch 32 (16 x 1 ranks x 2 accumulation)" in result_one.stdout
+    assert read_summary(one_rank)["steps"] == read_summary(two_ranks)["steps"] == 256 // 32
+
+
+def test_a_finished_run_extended_on_another_number_of_ranks_continues(fashion_data: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    settings = ["trainer.epochs=2", "checkpoint.every_steps=1", "trainer.global_batch_size=32"]
+    assert_ok(run_recipe(RECIPE, overrides(fashion_data, run_dir, *settings, "trainer.max_steps=3"), nproc=2))
+    result = run_recipe(RECIPE, overrides(fashion_data, run_dir, *settings))
+    assert_ok(result)
+    summary = read_summary(run_dir)
+    assert summary["world_size"] == 1 and summary["resumes"] == 1
+    assert summary["steps"] == 2 * 256 // 32
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.nonsense=1", "Key 'nonsense' not in 'TrainerConfig'"),
+        ("trainer.epochs=many", "could not be converted to Integer"),
+        ("trainer.precision=fp8", "Invalid value 'fp8'"),
+        ("data.root=/does/not/exist", "data directory /does/not/exist does not exist"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(fashion_data: Path, tmp_path: Path, override: str, message: str) -> None:
+    result = run_recipe(RECIPE, [*overrides(fashion_data, tmp_path / "run"), override])
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and message in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_truncated_idx_file_is_a_one_line_error(fashion_data: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in fashion_data.iterdir():
+        (broken / file.name).write_bytes(file.read_bytes())
+    images = broken / "train-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes()[:-500])
+    result = run_recipe(RECIPE, overrides(broken, tmp_path / "run"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {images} is truncated or padded: {256 * 28 * 28 + 16 - 500} bytes, its header declares "
+        f"{256 * 28 * 28 + 16}"
+    ]
+
+
+def test_cfg_job_prints_the_resolved_config(tmp_path: Path) -> None:
+    result = run_recipe(RECIPE, ["--cfg", "job", f"run_dir={tmp_path}/x"])
+    assert_ok(result)
+    assert f"dir: {tmp_path}/x/checkpoints" in result.stdout
+    assert "${" not in result.stdout

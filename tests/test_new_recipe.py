@@ -1,0 +1,55 @@
+"""`make new-recipe` copies a recipe whose own tests then pass without edits."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, recipe_env
+
+COPIED = ["common", "conf", "recipes", "data_prep", "tools", "tests", "Makefile", "pyproject.toml"]
+
+
+def make_sandbox(tmp_path: Path) -> Path:
+    sandbox = tmp_path / "repo"
+    sandbox.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in COPIED:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, sandbox / name, ignore=ignore)
+        else:
+            shutil.copy2(source, sandbox / name)
+    return sandbox
+
+
+def test_new_recipe_round_trip(tmp_path: Path) -> None:
+    sandbox = make_sandbox(tmp_path)
+    venv = Path(sys.executable).parents[1]
+    made = subprocess.run(["make", "new-recipe", "NAME=demo_copy", "FROM=fashion_mnist", f"VENV={venv}", "STAMP="],
+                          cwd=sandbox, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    for path in ("recipes/demo_copy/train.py", "recipes/demo_copy/config.py", "conf/demo_copy.yaml",
+                 "conf/experiment/demo_copy_long.yaml", "data_prep/demo_copy.py", "tests/test_demo_copy.py"):
+        assert (sandbox / path).is_file(), path
+    config = (sandbox / "recipes/demo_copy/config.py").read_text()
+    assert "class DemoCopyConfig(RunConfig)" in config and 'name="demo_copy_schema"' in config
+    assert "fashion_mnist" not in (sandbox / "recipes/demo_copy/train.py").read_text()
+
+    again = subprocess.run(["make", "new-recipe", "NAME=demo_copy", f"VENV={venv}", "STAMP="],
+                           cwd=sandbox, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "already exists" in again.stderr
+
+    # The copy's multi-process tests are the original's, already run by this suite; the rest run here.
+    multi_process = [f"--deselect=tests/test_demo_copy.py::{name}" for name in (
+        "test_sigkill_at_a_random_step_then_resume_is_bit_exact[2]",
+        "test_gradient_accumulation_keeps_the_effective_batch_on_fewer_ranks",
+        "test_a_finished_run_extended_on_another_number_of_ranks_continues",
+    )]
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                            "tests/test_demo_copy.py", *multi_process],
+                           cwd=sandbox, env=recipe_env(), capture_output=True, text=True, timeout=900)
+    assert tests.returncode == 0, tests.stdout[-4000:]
+    assert " passed" in tests.stdout and "failed" not in tests.stdout
