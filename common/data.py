@@ -92,8 +92,14 @@ def make_loader(
     pin_memory: bool,
     collate_fn: Callable | None = None,
     drop_last: bool = False,
+    generator: torch.Generator | None = None,
 ) -> DataLoader:
-    """A DataLoader over a resumable sampler with the settings that keep a GPU fed."""
+    """A DataLoader over a resumable sampler with the settings that keep a GPU fed.
+
+    Pass a ``generator`` of its own when training uses the global torch RNG (dropout): a new
+    DataLoader iterator draws its workers' base seed from it, and a resumed run creates its
+    iterator at a different step than the uninterrupted run did.
+    """
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -104,4 +110,5 @@ def make_loader(
         prefetch_factor=4 if num_workers > 0 else None,
         collate_fn=collate_fn,
         drop_last=drop_last,
+        generator=generator,
     )
