@@ -98,10 +98,11 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                                               drop_last=False)
     pin_memory = device.type == "cuda"
     micro_batch = cfg.trainer.batch_size
+    # Own generators: creating an iterator must not draw from the global RNG that dropout uses.
     train_loader = make_loader(train_set, sampler, micro_batch, cfg.trainer.num_workers, pin_memory,
-                               collate_fn=pad_collate, drop_last=True)
+                               collate_fn=pad_collate, drop_last=True, generator=torch.Generator())
     val_loader = make_loader(val_set, val_sampler, cfg.data.eval_batch_size, cfg.trainer.num_workers, pin_memory,
-                             collate_fn=pad_collate)
+                             collate_fn=pad_collate, generator=torch.Generator())
 
     # ---- model: torchvision by name, SyncBatchNorm under DDP ---------------------------------
     model = build_model(cfg.model)
