@@ -1,0 +1,201 @@
+"""Loop overhead: the fashion_mnist recipe's training step against a bare PyTorch loop.
+
+The recipe runs for real (``recipes.fashion_mnist.train.train`` with its default config, in this
+process), so its steps include everything the shared layer adds: the resumable sampler, the
+per-step seeded generator, SumMetrics, the progress bar, TensorBoard logging every 50 steps and
+the checkpoint cadence checks (the wall-clock check runs every step; no checkpoint falls inside
+a timed window). A probe in the cadence check pauses the recipe every ``SEGMENT`` steps and runs
+``SEGMENT`` steps of a bare loop (same architecture and initial weights, same optimizer and LR
+schedule, the same batches, normalised the same way), so recipe and bare segments interleave
+and share whatever else the machine is doing. Overhead is the median over segment pairs of
+``recipe / bare - 1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.results import Result
+from common.data import seeded_generator
+from common.distributed import init_distributed
+from common.entry import validate_overrides
+from common.loggers import RunLogger
+from common.metrics import SumMetrics
+from common.optim import param_groups, warmup_cosine
+from common.preemption import CheckpointCadence, Decision, StopFlag
+from common.sampler import ResumableDistributedSampler
+from recipes.fashion_mnist import train as recipe
+from recipes.fashion_mnist.data import load_split, normalize
+from recipes.fashion_mnist.model import build_model
+from tests.fake_data import write_fashion_mnist
+
+BENCHMARK = "loop overhead (fashion_mnist)"
+SEGMENT = 10  # steps per timed segment (logging every SEGMENT steps, so one logging step each)
+WARMUP_STEPS = 5
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class BareLoop:
+    """What a researcher would write by hand: index, normalise, forward, backward, step."""
+
+    def __init__(self, cfg, device: torch.device) -> None:
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(cfg.model).to(device).to(memory_format=torch.channels_last)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr)
+        self.images, self.labels = (t.to(device) for t in load_split(cfg.data.root, "train"))
+        steps_per_epoch = len(self.images) // cfg.trainer.batch_size
+        self.scheduler = warmup_cosine(self.optimizer, round(cfg.optim.warmup_epochs * steps_per_epoch),
+                                       steps_per_epoch * cfg.trainer.epochs, cfg.optim.min_lr_ratio)
+        order = ResumableDistributedSampler(len(self.images), seed=cfg.seed).global_order(0).to(device)
+        self.batches = order.split(cfg.trainer.batch_size)
+        self.next_batch = WARMUP_STEPS
+        self.model.train()
+
+    def steps(self, count: int) -> None:
+        for batch in self.batches[self.next_batch : self.next_batch + count]:
+            x = normalize(self.images[batch]).contiguous(memory_format=torch.channels_last)
+            loss = F.cross_entropy(self.model(x), self.labels[batch])
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        self.next_batch += count
+
+
+def interleaved_cadence(on_segment: Callable[[int], None]) -> type[CheckpointCadence]:
+    """The recipe's cadence class with a probe that runs at every step's end."""
+
+    class ProbedCadence(CheckpointCadence):
+        def after_step(self, step: int) -> Decision:
+            on_segment(step)
+            return super().after_step(step)
+
+    return ProbedCadence
+
+
+class Clocks:
+    """Wall-clock and process CPU time: on a shared machine CPU time is what other jobs do not inflate."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def ms_per_step(self, steps: int) -> tuple[float, float]:
+        return ((time.perf_counter() - self.wall) * 1000 / steps, (time.process_time() - self.cpu) * 1000 / steps)
+
+
+def measure(device_name: str, pairs: int, batch_size: int, workdir: Path) -> dict[str, list[float]]:
+    """Milliseconds per step of interleaved recipe and bare segments, by wall clock and CPU time."""
+    steps = WARMUP_STEPS + pairs * SEGMENT + 1
+    data = write_fashion_mnist(workdir / "data", n_train=(steps + 2) * batch_size, n_test=batch_size)
+    cfg = validate_overrides("fashion_mnist", [
+        f"data.root={data}", f"run_dir={workdir / 'run'}", f"device={device_name}", "trainer.epochs=1",
+        f"trainer.batch_size={batch_size}",
+        f"trainer.max_steps={steps}", f"trainer.log_every_steps={SEGMENT}", "checkpoint.every_steps=0",
+        "checkpoint.every_seconds=1e9",
+    ])
+    dist_info = init_distributed(cfg.device)
+    bare = BareLoop(cfg, dist_info.device)
+    bare.steps(WARMUP_STEPS)
+    times: dict[str, list[float]] = {"recipe wall": [], "recipe cpu": [], "bare wall": [], "bare cpu": []}
+    segment = Clocks()
+
+    def on_step(step: int) -> None:
+        nonlocal segment
+        if step < WARMUP_STEPS or (step - WARMUP_STEPS) % SEGMENT:
+            return
+        synchronize(dist_info.device)
+        if step > WARMUP_STEPS:
+            wall, cpu = segment.ms_per_step(SEGMENT)
+            times["recipe wall"].append(wall)
+            times["recipe cpu"].append(cpu)
+            bare_segment = Clocks()
+            bare.steps(SEGMENT)
+            synchronize(dist_info.device)
+            wall, cpu = bare_segment.ms_per_step(SEGMENT)
+            times["bare wall"].append(wall)
+            times["bare cpu"].append(cpu)
+        segment = Clocks()
+
+    quiet = io.StringIO()
+    with mock.patch.object(recipe, "CheckpointCadence", interleaved_cadence(on_step)), \
+            contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        recipe.train(cfg, dist_info)
+    return times
+
+
+def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int) -> float:
+    """Microseconds per step of the shared-layer calls the recipe adds to a bare step, alone."""
+    logits = torch.randn(batch_size, 10, device=device)
+    labels = torch.randint(0, 10, (batch_size,), device=device)
+    loss = F.cross_entropy(logits, labels)
+    sampler = ResumableDistributedSampler(10**9)
+    sums = SumMetrics(device)
+    stop_flag = StopFlag()
+    cadence = CheckpointCadence(0, 1e9, 10, device, stop_flag)
+    logger = RunLogger("none", ".", True, "bench", progress_bar=False)
+    bar = logger.progress(steps, 0, "bookkeeping")
+    synchronize(device)
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        seeded_generator(device, 0, step, 0)
+        sums.add(loss=loss.detach() * len(labels), correct=(logits.argmax(1) == labels).sum(), count=len(labels))
+        sampler.advance(len(labels))
+        bar.update()
+        if step % SEGMENT == 0:
+            logger.log({name: value / batch_size for name, value in sums.reduce().items()}, step)
+            sums.reset()
+        cadence.after_step(step)
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    stop_flag.restore()
+    return elapsed * 1e6 / steps
+
+
+def run(quick: bool) -> list[Result]:
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    batch_size = 32 if quick else 128  # the recipe's default is 128
+    results = []
+    for device in devices:
+        with tempfile.TemporaryDirectory() as workdir:
+            times = measure(device, 4 if quick else 30, batch_size, Path(workdir))
+        clocks = ["cpu", "wall"] if device == "cpu" else ["wall"]
+        for clock in clocks:
+            recipe_ms, bare_ms = times[f"recipe {clock}"], times[f"bare {clock}"]
+            overheads = [100 * (r / b - 1) for r, b in zip(recipe_ms, bare_ms, strict=True)]
+            label = f"{device}, {'process CPU time' if clock == 'cpu' else 'wall clock'}"
+            results += [
+                Result(BENCHMARK, f"{label}: recipe step", statistics.median(recipe_ms), "ms/step",
+                       f"batch {batch_size}; sampler, metrics, logging, progress bar and cadence checks included"),
+                Result(BENCHMARK, f"{label}: bare PyTorch step", statistics.median(bare_ms), "ms/step",
+                       "same model, optimizer, LR schedule and batches"),
+                Result(BENCHMARK, f"{label}: overhead", statistics.median(overheads), "%",
+                       f"median of recipe/bare - 1 over {len(overheads)} interleaved pairs of {SEGMENT}-step "
+                       f"segments (quartiles {quartiles(overheads)}); target <= 3"),
+            ]
+        bookkeeping = bookkeeping_us_per_step(torch.device(device), 200 if quick else 2000, batch_size)
+        results.append(Result(
+            BENCHMARK, f"{device}: shared-layer calls alone", bookkeeping, "us/step",
+            f"{100 * bookkeeping / 1000 / statistics.median(times['bare wall' if device == 'cuda' else 'bare cpu']):.2f}"
+            " % of the bare step; seeded generator, SumMetrics.add, sampler.advance, progress bar, "
+            f"logging every {SEGMENT} steps, cadence check",
+        ))
+    return results
+
+
+def quartiles(values: list[float]) -> str:
+    low, _, high = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return f"{low:.1f} to {high:.1f}"

@@ -1,0 +1,122 @@
+"""Resume cost: wall time from process start to the end of the first training step.
+
+Every figure comes from a real ``python -m recipes.<r>.train``-equivalent subprocess: the
+recipe's ``main()`` runs unchanged, with a probe in its checkpoint cadence check that prints
+the time when the first step has finished and then ends the process. The parent takes the
+time just before spawning it, so a figure covers interpreter start, imports, config checking,
+data loading, model set-up and, when resuming, finding, verifying (sha256) and loading the
+newest checkpoint and restoring it.
+
+Cases: fashion_mnist (a small CNN) and cifar100_resnet50 (a ResNet-50 with SGD momentum, the
+checkpoint size of an ImageNet ResNet-50), both on generated data in their real formats.
+A fresh start (no checkpoint) is measured the same way, so "resume - fresh" is what resuming
+adds. The checkpoint was just written, so it is read from the page cache; a job restarted on
+another node reads it from storage, at that storage's speed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.results import Result
+from common.checkpoint import CheckpointManager
+from tests.fake_data import write_cifar100_tarball, write_fashion_mnist
+
+BENCHMARK = "resume cost (process start to end of first step)"
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs a recipe's main() with a probe at the end of every step: it prints the wall-clock time
+# after the first step and ends the process after ``exit_after`` steps (without cleaning up).
+PROBE = """
+import os, sys, time
+import torch
+from common.preemption import CheckpointCadence
+import recipes.{recipe}.train as recipe
+
+exit_after, steps_seen = int(sys.argv[1]), 0
+
+class FirstStepProbe(CheckpointCadence):
+    def after_step(self, step):
+        global steps_seen
+        steps_seen += 1
+        if steps_seen == 1:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            print(f"FIRST_STEP_DONE {{time.time()!r}}", flush=True)
+        if steps_seen >= exit_after:
+            os._exit(0)
+        return super().after_step(step)
+
+recipe.CheckpointCadence = FirstStepProbe
+sys.argv = [recipe.__file__, *sys.argv[2:]]
+recipe.main()
+"""
+
+
+def seconds_to_first_step(recipe: str, overrides: list[str], exit_after: int) -> float:
+    started = time.time()
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE.format(recipe=recipe), str(exit_after), *overrides], cwd=REPO,
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    for line in result.stdout.splitlines():
+        if line.startswith("FIRST_STEP_DONE "):
+            return float(line.split()[1]) - started
+    raise RuntimeError(f"{recipe} never finished a step (exit {result.returncode}): {result.stderr.strip()[-800:]}")
+
+
+def fashion_mnist_case(workdir: Path) -> tuple[str, list[str]]:
+    data = write_fashion_mnist(workdir / "fashion_mnist", n_train=2048, n_test=256)
+    return "fashion_mnist", [f"data.root={data}"]
+
+
+def cifar100_case(workdir: Path) -> tuple[str, list[str]]:
+    root = workdir / "cifar100"
+    with tarfile.open(write_cifar100_tarball(workdir / "cifar-100-python.tar.gz", n_train=512, n_test=64)) as tar:
+        tar.extractall(root, filter="data")
+    return "cifar100_resnet50", [f"data.root={root}", "trainer.batch_size=8", "trainer.precision=fp32"]
+
+
+def measure(case, repeats: int, workdir: Path) -> dict:
+    recipe, overrides = case(workdir)
+    common = [*overrides, "logging.backend=none", "logging.progress_bar=false", "checkpoint.every_steps=1",
+              "checkpoint.every_seconds=0"]
+    # Each fresh run finishes a second step, so its checkpoint of step 1 is complete on disk.
+    fresh = [seconds_to_first_step(recipe, [*common, f"run_dir={workdir / f'fresh-{i}'}"], exit_after=2)
+             for i in range(repeats)]
+    resumed = [seconds_to_first_step(recipe, [*common, f"run_dir={workdir / 'fresh-0'}"], exit_after=1)
+               for _ in range(repeats)]
+    start = time.perf_counter()
+    loaded = CheckpointManager(workdir / "fresh-0" / "checkpoints").load_latest()
+    load_seconds = time.perf_counter() - start
+    if loaded is None or loaded.step != 1:
+        raise RuntimeError(f"{recipe}: expected a checkpoint of step 1 to resume from")
+    size = sum(f.stat().st_size for f in loaded.path.rglob("*") if f.is_file()) / 2**20
+    return {"recipe": recipe, "fresh": fresh, "resumed": resumed, "load": load_seconds, "megabytes": size}
+
+
+def run(quick: bool) -> list[Result]:
+    repeats = 1 if quick else 3
+    results = []
+    for case in (fashion_mnist_case, cifar100_case):
+        with tempfile.TemporaryDirectory() as workdir:
+            figures = measure(case, repeats, Path(workdir))
+        recipe, fresh, resumed = figures["recipe"], statistics.median(figures["fresh"]), \
+            statistics.median(figures["resumed"])
+        runs = f"median of {repeats} process(es)" if repeats > 1 else "one process"
+        results += [
+            Result(BENCHMARK, f"{recipe}: fresh start", fresh, "s", f"no checkpoint; {runs}"),
+            Result(BENCHMARK, f"{recipe}: resume", resumed, "s",
+                   f"checkpoint of {figures['megabytes']:.0f} MiB; {runs}"),
+            Result(BENCHMARK, f"{recipe}: resume - fresh", resumed - fresh, "s", "what resuming adds"),
+            Result(BENCHMARK, f"{recipe}: CheckpointManager.load_latest", figures["load"], "s",
+                   "in this process: sha256 verification and torch.load, from the page cache"),
+        ]
+    return results
