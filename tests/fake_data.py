@@ -198,3 +198,58 @@ def write_coco(root: Path, n_extra_train: int = 8, seed: int = 0) -> Path:
         (root / "annotations" / f"instances_{split}2017.json").write_text(
             json.dumps({"images": image_entries, "annotations": annotations, "categories": categories}))
     return root
+
+
+# category_id, species, genus, family, order, class, phylum; the last one stands for an unknown species
+FUNGI_TAXA = [
+    (0, "Amanita muscaria", "Amanita", "Amanitaceae", "Agaricales", "Agaricomycetes", "Basidiomycota"),
+    (1, "Amanita phalloides", "Amanita", "Amanitaceae", "Agaricales", "Agaricomycetes", "Basidiomycota"),
+    (2, "Russula emetica", "Russula", "Russulaceae", "Russulales", "Agaricomycetes", "Basidiomycota"),
+    (3, "Russula cyanoxantha", "Russula", "Russulaceae", "Russulales", "Agaricomycetes", "Basidiomycota"),
+]
+FUNGI_UNKNOWN = (-1, "Boletus edulis", "Boletus", "Boletaceae", "Boletales", "Agaricomycetes", "Basidiomycota")
+FUNGI_COLOURS = [(200, 40, 40), (40, 200, 40), (40, 40, 200), (200, 200, 40), (120, 120, 120)]
+
+
+def write_fungitastic(
+    root: Path,
+    mini: bool = True,
+    closed_set_names: bool = False,
+    label_column: str = "category_id",
+    per_species: dict[str, int] | None = None,
+    unknown_rows: dict[str, int] | None = None,
+    size: str = "300p",
+    image_shape: tuple[int, int] = (40, 48),
+    seed: int = 0,
+) -> Path:
+    """A FungiTastic(-Mini) folder: ``metadata/<subset>/<subset>[-ClosedSet]-{Train,Val,Test}.csv``
+    and JPEGs in ``<subset>/{train,val,test}/<size>/``; four species in two genera, each a
+    learnable colour, plus ``unknown_rows`` rows of an unknown species (label -1) per split."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    subset = "FungiTastic-Mini" if mini else "FungiTastic"
+    per_species = per_species or {"train": 6, "val": 2, "test": 2}
+    unknown_rows = unknown_rows if unknown_rows is not None else {"val": 1, "test": 1}
+    columns = ["observationID", "filename", label_column, "species", "genus", "family", "order", "class",
+               "phylum", "kingdom", "scientificName", "year", "countryCode"]
+    serial = 0
+    for split, count in per_species.items():
+        rows = []
+        taxa = [taxon for taxon in FUNGI_TAXA for _ in range(count)] + [FUNGI_UNKNOWN] * unknown_rows.get(split, 0)
+        for position in rng.permutation(len(taxa)):
+            taxon = taxa[position]
+            serial += 1
+            filename = f"{serial}-{3032614300 + serial}.JPG"
+            colour = np.array(FUNGI_COLOURS[taxon[0]], dtype=np.int16)
+            pixels = colour + rng.integers(-30, 30, size=(*image_shape, 3))
+            folder = root / subset / split / size
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / filename, quality=90)
+            rows.append([serial, filename, taxon[0], *taxon[1:], "Fungi", f"{taxon[1]} L.", 2022, "DK"])
+        name = f"{subset}-ClosedSet-{split.capitalize()}.csv" if closed_set_names else f"{subset}-{split.capitalize()}.csv"
+        csv = root / "metadata" / subset / name
+        csv.parent.mkdir(parents=True, exist_ok=True)
+        lines = [",".join(columns)] + [",".join(str(value) for value in row) for row in rows]
+        csv.write_text("\n".join(lines) + "\n")
+    return root

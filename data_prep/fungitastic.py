@@ -1,0 +1,133 @@
+"""FungiTastic: label spaces, class weights and an image check from a local copy of the dataset.
+
+    python -m data_prep.fungitastic [--source ROOT] [--out data/fungitastic] [--size 300p]
+                                    [--mini] [--per-species 4] [--skip-missing]
+
+``ROOT`` is a FungiTastic download (``metadata/`` and ``FungiTastic/``, ``FungiTastic-Mini/``
+image folders, as BohemianVRA's ``dataset/download.py`` writes them). Without ``--source``,
+``--out`` itself must hold one. For each subset whose training CSV is present this writes, into
+``OUT/prepared/<subset>/``:
+
+* ``taxonomic_mappings.json``: name -> index per rank (species keep their ``category_id``),
+  each species' parents, the class count per rank;
+* ``class_weights.pt``: per rank, scikit-learn's "balanced" weights from the training split;
+* with ``--mini`` (or ``MINI=1`` in the environment): ``<CSV name>-Minimal.csv`` per split,
+  the first ``--per-species`` rows of every species whose image is present.
+
+It then checks that every image the CSVs list exists at ``--size``; missing images are an error
+(the count and the first few names) unless ``--skip-missing`` is given, which only reports them
+(train with ``data.skip_missing=true`` then). The images are never copied: ``OUT`` gets symbolic
+links to the source folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from common.errors import UserError
+from data_prep.files import run_cli, write_bytes_atomic
+from recipes.fungitastic import metadata
+
+HOW_TO_GET = ("download FungiTastic with https://github.com/BohemianVRA/FungiTastic dataset/download.py "
+              "(e.g. --metadata --images --subset m --size 300) and run `make prep-fungitastic SOURCE=<its folder>`")
+LINKED = ("metadata", *metadata.SUBSET_DIRS.values())
+
+
+def link_source(source: Path, out: Path) -> None:
+    """Make ``out/<entry>`` point at ``source/<entry>`` for the dataset's folders."""
+    if not source.is_dir():
+        raise UserError(f"source folder {source} does not exist")
+    out.mkdir(parents=True, exist_ok=True)
+    if source.resolve() == out.resolve():
+        return
+    for name in LINKED:
+        target, link = (source / name).resolve(), out / name
+        if not target.is_dir():
+            continue
+        if link.is_symlink():
+            link.unlink()
+        elif link.exists():
+            raise UserError(f"{link} exists and is not a link; move it away or use --out elsewhere")
+        link.symlink_to(target, target_is_directory=True)
+
+
+def prepare_subset(root: Path, prepared: Path, subset: str, size: str, mini: bool, per_species: int) -> list[str]:
+    """Write the subset's mappings, weights (and minimal CSVs); return a line per missing-image problem."""
+    folder = prepared / metadata.subset_dir(subset)
+    folder.mkdir(parents=True, exist_ok=True)
+    train_csv = metadata.find_csv(root, subset, "train")
+    train = metadata.read_metadata(train_csv)
+    mappings = metadata.build_mappings(train, str(train_csv))
+    write_bytes_atomic(folder / metadata.MAPPINGS_FILE, (json.dumps(mappings, indent=1) + "\n").encode())
+    weights_file = folder / metadata.CLASS_WEIGHTS_FILE
+    torch.save(metadata.class_weights(train, mappings), weights_file)
+    counts = ", ".join(f"{rank} {count}" for rank, count in mappings["num_classes"].items())
+    print(f"{metadata.subset_dir(subset)}: classes per rank: {counts}")
+    if mappings["parent_conflicts"]:
+        print(f"  note: {mappings['parent_conflicts']} species/rank pairs list more than one parent; "
+              f"the most frequent is kept")
+    problems = []
+    for split in metadata.SPLIT_NAMES:
+        try:
+            csv = metadata.find_csv(root, subset, split)
+        except UserError:
+            print(f"  {split}: no CSV, skipped")
+            continue
+        frame = metadata.read_metadata(csv)
+        images = metadata.image_dir(root, subset, split, size)
+        missing = metadata.missing_images(frame, images)
+        unknown = int((frame["label"] == metadata.UNKNOWN).sum())
+        print(f"  {split}: {len(frame)} rows in {csv.name}, {len(frame) - len(missing)} images present in {images}"
+              + (f", {unknown} with unknown species (-1)" if unknown else ""))
+        if missing:
+            problems.append(metadata.describe_missing(missing, len(frame), csv, images))
+        if mini:
+            present = frame[~frame["filename"].astype(str).isin(set(missing))]
+            subset_rows = metadata.minimal_subset(present, per_species)
+            target = folder / metadata.minimal_csv_name(subset, split)
+            write_bytes_atomic(target, subset_rows.to_csv(index=False).encode())
+            print(f"  {split}: wrote {target} ({len(subset_rows)} rows, up to {per_species} per species)")
+    return problems
+
+
+def prepare(out: Path, source: Path | None, size: str, mini: bool, per_species: int, skip_missing: bool) -> None:
+    if source is not None:
+        link_source(source, out)
+    subsets = [subset for subset in metadata.SUBSET_DIRS
+               if any((out / "metadata" / metadata.subset_dir(subset) / name).is_file()
+                      for name in metadata.csv_names(subset, "train"))]
+    if not subsets:
+        raise UserError(f"{out / 'metadata'} holds no FungiTastic training CSV; {HOW_TO_GET}")
+    problems = []
+    for subset in subsets:
+        problems += prepare_subset(out, out / "prepared", subset, size, mini, per_species)
+    if problems and not skip_missing:
+        raise UserError("; ".join(problems) + " (--skip-missing reports them without failing; train with "
+                        "data.skip_missing=true to leave them out)")
+    for problem in problems:
+        print(f"warning: {problem}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--source", type=Path, help="a FungiTastic download: metadata/ and the image folders")
+    parser.add_argument("--out", type=Path, default=Path("data/fungitastic"))
+    parser.add_argument("--size", default="300p", choices=metadata.IMAGE_SIZES)
+    parser.add_argument("--mini", action="store_true", default=os.environ.get("MINI", "0") == "1",
+                        help="also write *-Minimal.csv subsets (default when MINI=1 is in the environment)")
+    parser.add_argument("--per-species", type=int, default=4, help="rows per species in the minimal subsets")
+    parser.add_argument("--skip-missing", action="store_true", help="report missing images without failing")
+    args = parser.parse_args()
+    if args.per_species < 1:
+        raise UserError("--per-species must be at least 1")
+    prepare(args.out, args.source, args.size, args.mini, args.per_species, args.skip_missing)
+    print(f"fungitastic: {args.out / 'prepared'} is ready (train with data.root={args.out})")
+
+
+if __name__ == "__main__":
+    run_cli(main)

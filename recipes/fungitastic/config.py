@@ -1,0 +1,76 @@
+"""The fungitastic config schema; ``conf/fungitastic.yaml`` sets its values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hydra.core.config_store import ConfigStore
+
+from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
+
+DEFAULT_RANKS = ["species", "genus", "family", "order", "class", "phylum"]
+
+
+class Subset(str, Enum):
+    full = "full"  # FungiTastic: metadata/FungiTastic/FungiTastic[-ClosedSet]-{Train,Val,Test}.csv
+    mini = "mini"  # FungiTastic-Mini: metadata/FungiTastic-Mini/FungiTastic-Mini[-ClosedSet]-*.csv
+
+
+@dataclass
+class DataConfig:
+    root: str = "data/fungitastic"  # holds metadata/ and FungiTastic[-Mini]/{train,val,test}/<size>/
+    prepared_dir: str = "${data.root}/prepared"  # taxonomic_mappings.json, class_weights.pt, *-Minimal.csv
+    subset: Subset = Subset.mini
+    size: str = "300p"  # which image folder to read: 300p, 500p, 720p or fullsize
+    minimal: bool = False  # use the *-Minimal.csv subsets written by `MINI=1 make prep-fungitastic`
+    ranks: list[str] = field(default_factory=lambda: list(DEFAULT_RANKS))  # one head per rank
+    image_size: int = 224
+    crop_scale_min: float = 0.8  # RandomResizedCrop scale (min, 1.0), as the published baseline
+    randaugment_ops: int = 2  # RandAugment(2, 20): the FGVC "vit_heavy" baseline; 0 ops = off
+    randaugment_magnitude: int = 20
+    horizontal_flip: bool = False
+    draft_decode: bool = True  # let libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale (never below image_size)
+    skip_missing: bool = False  # rows whose image file is missing: false = stop with an error, true = skip them
+    test_split: bool = True  # evaluate the final model on the test split (its CSV must have labels)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "beit_base_patch16_224"  # any timm model (test_vit in tests)
+    pretrained: str = ""  # "" = random init; a local state-dict file; or a hub name (hf-hub:..., timm/...)
+    drop_path_rate: float = 0.1
+    head_dropout: float = 0.0
+    derive_from_species: bool = False  # also report higher ranks predicted by summing species probabilities
+
+
+@dataclass
+class LossConfig:
+    rank_weights: dict[str, float] = field(default_factory=lambda: {rank: 1.0 for rank in DEFAULT_RANKS})
+    class_weighted_ranks: list[str] = field(default_factory=list)  # ranks whose loss uses class_weights.pt
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.05
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    layer_decay: float = 0.0  # layer-wise LR decay (BEiT fine-tuning); 0 = off, else e.g. 0.65
+    warmup_epochs: float = 1.0
+    min_lr_ratio: float = 0.01
+
+
+@dataclass
+class FungiTasticConfig(RunConfig):
+    recipe: str = "fungitastic"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+ConfigStore.instance().store(name="fungitastic_schema", node=FungiTasticConfig)

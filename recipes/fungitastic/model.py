@@ -1,0 +1,130 @@
+"""One timm backbone with a linear head per taxonomic rank (species, genus, ... phylum).
+
+Pretrained weights come from a local state-dict file or a hub name such as
+``hf-hub:BVRA/beit_base_patch16_224.in1k_ft_fungitastic_224``. The backbone must match
+``model.name``; a pretrained classifier whose size matches the species label space (the
+published FungiTastic models use ``category_id`` order, as this recipe does) initialises the
+species head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import timm
+import torch
+from safetensors.torch import load_file
+from timm.optim._param_groups import param_groups_layer_decay
+from torch import nn
+
+from common.errors import UserError
+from common.optim import param_groups
+from recipes.fungitastic.config import ModelConfig
+
+HUB_PREFIX = "hf-hub:"
+
+
+class TaxonomyClassifier(nn.Module):
+    """``forward(x)`` returns ``{rank: logits}``, one entry per configured rank."""
+
+    def __init__(self, backbone: nn.Module, num_classes: dict[str, int], ranks: list[str], dropout: float) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.ranks = list(ranks)
+        self.dropout = nn.Dropout(dropout)
+        self.heads = nn.ModuleDict({rank: nn.Linear(backbone.num_features, num_classes[rank]) for rank in ranks})
+
+    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        features = self.dropout(self.backbone(images))
+        return {rank: head(features) for rank, head in self.heads.items()}
+
+
+def create_backbone(cfg: ModelConfig, image_size: int) -> nn.Module:
+    """``cfg.name`` without its classifier, built for ``image_size`` inputs when it takes a size."""
+    try:
+        return timm.create_model(cfg.name, pretrained=False, num_classes=0, drop_path_rate=cfg.drop_path_rate,
+                                 img_size=image_size)
+    except TypeError:  # convolutional networks take any input size and have no img_size argument
+        pass
+    except (RuntimeError, ValueError) as error:  # timm's "Unknown model" is a RuntimeError
+        raise UserError(f"model.name={cfg.name!r}: {error}") from error
+    return timm.create_model(cfg.name, pretrained=False, num_classes=0, drop_path_rate=cfg.drop_path_rate)
+
+
+def pretrained_state(source: str) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The state dict of a local file (.safetensors, or a torch file holding a state dict under
+    ``model``/``state_dict`` or at the top level), a hub model (``hf-hub:owner/name``) or a timm
+    pretrained tag (``beit_base_patch16_224.in22k_ft_in22k_in1k``), with the hub model's
+    pretrained config (its input normalisation) when there is one."""
+    path = Path(source)
+    if not path.is_file() and (source.startswith(HUB_PREFIX) or timm.is_model(source)):
+        try:
+            hub_model = timm.create_model(source, pretrained=True)
+            return hub_model.state_dict(), dict(hub_model.pretrained_cfg)
+        except Exception as error:  # hub errors come in many types (offline, missing repo, auth)
+            raise UserError(f"model.pretrained={source!r} could not be loaded: {str(error).splitlines()[0]}") from error
+    if not path.is_file():
+        raise UserError(f"model.pretrained={source!r} is neither a file, nor a hub name ({HUB_PREFIX}...), "
+                        f"nor a timm model name")
+    try:
+        state = load_file(str(path)) if path.suffix == ".safetensors" else torch.load(path, map_location="cpu",
+                                                                                      weights_only=True)
+    except Exception as error:  # a truncated or foreign file: report it, whatever the loader raised
+        raise UserError(f"model.pretrained={source!r} is not a readable state dict ({str(error).splitlines()[0]})") \
+            from error
+    for key in ("model", "state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    return state, None
+
+
+def load_pretrained(model: TaxonomyClassifier, source: str) -> str:
+    """Load backbone weights (strictly) and, if its size fits, the species head; say what was loaded.
+    A hub model's input mean and std replace the backbone's defaults."""
+    state, hub_cfg = pretrained_state(source)
+    if hub_cfg is not None:
+        model.backbone.pretrained_cfg = {**model.backbone.pretrained_cfg, "mean": hub_cfg["mean"], "std": hub_cfg["std"]}
+    classifier = model.backbone.pretrained_cfg.get("classifier", "head")
+    head = {key[len(classifier) + 1 :]: value for key, value in state.items() if key.startswith(f"{classifier}.")}
+    backbone = {key: value for key, value in state.items() if not key.startswith(f"{classifier}.")}
+    try:
+        result = model.backbone.load_state_dict(backbone, strict=False)
+    except RuntimeError as error:  # tensors of the wrong shape
+        raise UserError(f"model.pretrained={source!r} does not fit {type(model.backbone).__name__}: "
+                        f"{str(error).splitlines()[-1].strip()}") from error
+    problems = [f"missing {key}" for key in result.missing_keys] + [f"unexpected {k}" for k in result.unexpected_keys]
+    if problems:
+        raise UserError(f"model.pretrained={source!r} does not fit {type(model.backbone).__name__}: "
+                        f"{', '.join(problems[:4])}{', ...' if len(problems) > 4 else ''}")
+    species_head = model.heads["species"] if "species" in model.heads else None
+    if species_head is not None and head.get("weight") is not None and head["weight"].shape == species_head.weight.shape:
+        species_head.load_state_dict(head)
+        return "backbone and species head"
+    return "backbone"
+
+
+def build_model(cfg: ModelConfig, num_classes: dict[str, int], ranks: list[str], image_size: int) -> TaxonomyClassifier:
+    unknown = [rank for rank in ranks if rank not in num_classes]
+    if unknown:
+        raise UserError(f"data.ranks has {unknown}; taxonomic_mappings.json has {sorted(num_classes)}")
+    return TaxonomyClassifier(create_backbone(cfg, image_size), num_classes, ranks, cfg.head_dropout)
+
+
+def optimizer_groups(model: TaxonomyClassifier, lr: float, weight_decay: float, layer_decay: float) -> list[dict]:
+    """AdamW groups with no weight decay on norms and biases. With ``layer_decay`` in (0, 1) the
+    backbone's layer ``i`` of ``L`` learns at ``lr * layer_decay^(L-i)`` (BEiT's fine-tuning rule,
+    through timm; its ``no_weight_decay()`` parameters such as position embeddings get none), the
+    heads at ``lr``."""
+    if not layer_decay:
+        groups = param_groups(model, weight_decay)
+        for group in groups:
+            group["lr"] = lr
+        return groups
+    skip = model.backbone.no_weight_decay() if hasattr(model.backbone, "no_weight_decay") else set()
+    groups = param_groups_layer_decay(model.backbone, weight_decay, skip, layer_decay=layer_decay)
+    for group in groups:
+        group["lr"] = lr * group.pop("lr_scale")
+    for group in param_groups(model.heads, weight_decay):
+        group["lr"] = lr
+        groups.append(group)
+    return groups

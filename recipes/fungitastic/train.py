@@ -1,0 +1,366 @@
+"""FungiTastic with a multi-task timm backbone (BEiT-B/16 by default): one head per taxonomic
+rank, readable top to bottom.
+
+    python -m recipes.fungitastic.train [hydra overrides]
+    torchrun --nproc-per-node 8 -m recipes.fungitastic.train [hydra overrides]
+    python -m recipes.fungitastic.train +experiment=fungi_beit_mini   # the published BEiT-B/16 setting
+
+Run contract (see README.md): the run directory is ``runs/fungitastic/<name>``; a run whose
+checkpoint directory holds a valid checkpoint resumes from it; SIGTERM/SIGUSR1 finish the step,
+checkpoint and exit with code 75; a finished run writes ``summary.json`` with the final
+validation and test metrics. The checkpoint with the best validation species macro-F1 is kept
+and named in ``checkpoints/best``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from common import train_state
+from common.checkpoint import CheckpointManager
+from common.data import PerSampleSeeded, make_loader
+from common.distributed import DistInfo, init_distributed, shutdown_distributed
+from common.entry import recipe_main
+from common.errors import Preempted, UserError
+from common.loggers import RunLogger
+from common.metrics import SumMetrics, ratio
+from common.optim import accumulation_steps, scaled_lr, warmup_cosine
+from common.precision import autocast, grad_scaler
+from common.preemption import CheckpointCadence, StopFlag
+from common.sampler import ResumableDistributedSampler
+from common.summary import write_summary
+from recipes.fungitastic import config as _schema  # noqa: F401  (registers the schema)
+from recipes.fungitastic import metadata
+from recipes.fungitastic.data import FungiImages, eval_transform, load_split, normalize, train_transform
+from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
+from recipes.fungitastic.model import build_model, load_pretrained, optimizer_groups
+
+
+class MultiTaskLoss:
+    """Sum over ranks of ``weight[rank] * cross-entropy`` (a rank without a weight weighs 1);
+    labels of -1 are ignored."""
+
+    def __init__(self, ranks: list[str], rank_weights: dict[str, float], class_weights: dict[str, torch.Tensor],
+                 label_smoothing: float) -> None:
+        self.ranks = ranks
+        self.rank_weights = {rank: float(rank_weights.get(rank, 1.0)) for rank in ranks}
+        self.class_weights = class_weights
+        self.label_smoothing = label_smoothing
+
+    def __call__(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor, training: bool = True) -> torch.Tensor:
+        """Training: the weighted sum of per-rank means (class weights, smoothing). Evaluation:
+        the plain per-sample sum, so that a split's loss is exact however it is batched."""
+        total = torch.zeros((), device=labels.device)
+        for column, rank in enumerate(self.ranks):
+            target = labels[:, column]
+            if training:
+                loss = F.cross_entropy(outputs[rank].float(), target, weight=self.class_weights.get(rank),
+                                       ignore_index=metadata.UNKNOWN, label_smoothing=self.label_smoothing)
+                loss = torch.nan_to_num(loss)  # a micro-batch with no label at this rank adds nothing
+            else:
+                loss = F.cross_entropy(outputs[rank].float(), target, ignore_index=metadata.UNKNOWN, reduction="sum")
+            total = total + self.rank_weights[rank] * loss
+        return total
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader, cfg: DictConfig, dist_info: DistInfo,
+             criterion: MultiTaskLoss, num_classes: dict[str, int], parents: dict[str, torch.Tensor],
+             stats: tuple[tuple[float, ...], tuple[float, ...]], prefix: str) -> dict[str, float]:
+    """Top-1, top-3 and macro-F1 per rank and hierarchy consistency over the whole split, each
+    sample counted once across ranks."""
+    was_training = model.training
+    model.eval()
+    ranks = list(cfg.data.ranks)
+    loader.sampler.set_epoch(0)
+    metrics = TaxonomyMetrics(num_classes, parents, dist_info.device)
+    for images, labels in loader:
+        x = normalize(images.to(dist_info.device, non_blocking=True), *stats)
+        if cfg.trainer.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        labels = labels.to(dist_info.device, non_blocking=True)
+        with autocast(dist_info.device, cfg.trainer.precision):
+            outputs = model(x)
+        outputs = {rank: logits.float() for rank, logits in outputs.items()}
+        metrics.add_loss(criterion(outputs, labels, training=False), len(labels))
+        for column, rank in enumerate(ranks):
+            metrics.add_rank(rank, outputs[rank], labels[:, column])
+        if parents:
+            metrics.add_consistency({rank: logits.argmax(1) for rank, logits in outputs.items()})
+            if cfg.model.derive_from_species:
+                for rank, table in parents.items():
+                    derived = species_marginals(outputs["species"], table, num_classes[rank])
+                    metrics.add_rank(f"{rank}_from_species", derived, labels[:, ranks.index(rank)])
+    model.train(was_training)
+    names = ranks + ([f"{rank}_from_species" for rank in parents] if parents and cfg.model.derive_from_species else [])
+    return metrics.compute(prefix, names)
+
+
+def eval_loader(split, cfg: DictConfig, dist_info: DistInfo, pin_memory: bool) -> DataLoader:
+    sampler = ResumableDistributedSampler(len(split.paths), dist_info.rank, dist_info.world_size, shuffle=False,
+                                          drop_last=False)
+    draft = cfg.data.image_size if cfg.data.draft_decode else 0
+    dataset = FungiImages(split, eval_transform(cfg.data), draft)
+    return make_loader(dataset, sampler, cfg.trainer.batch_size * 2, cfg.trainer.num_workers, pin_memory)
+
+
+@recipe_main("fungitastic")
+def main(cfg: DictConfig) -> None:
+    dist_info = init_distributed(cfg.device)
+    try:
+        train(cfg, dist_info)
+    finally:
+        shutdown_distributed()
+
+
+def train(cfg: DictConfig, dist_info: DistInfo) -> None:
+    device = dist_info.device
+    train_state.seed_everything(cfg.seed)
+    ranks = list(cfg.data.ranks)
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise UserError(f"data.ranks must name each rank once, got {ranks}")
+    unknown_weights = sorted(set(cfg.loss.rank_weights) - set(ranks) - set(metadata.RANK_COLUMNS))
+    if unknown_weights:
+        raise UserError(f"loss.rank_weights names {unknown_weights}, which are neither in data.ranks {ranks} nor "
+                        f"taxonomic ranks")
+
+    # ---- data: label spaces and every split's CSV and images, checked before anything else -----
+    mappings = metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset)
+    unknown_ranks = [rank for rank in ranks if rank not in mappings["num_classes"]]
+    if unknown_ranks:
+        raise UserError(f"data.ranks names {unknown_ranks}; taxonomic_mappings.json has {mappings['ranks']}")
+    splits = {name: load_split(cfg.data, name, mappings) for name in ("train", "val", "test")
+              if name != "test" or cfg.data.test_split}
+    num_classes = {rank: mappings["num_classes"][rank] for rank in ranks}
+    parents = ({rank: metadata.parent_table(mappings, rank) for rank in ranks if rank != "species"}
+               if "species" in ranks else {})
+    class_weights: dict[str, torch.Tensor] = {}
+    if cfg.loss.class_weighted_ranks:
+        stored = metadata.load_class_weights(cfg.data.prepared_dir, cfg.data.subset)
+        for rank in cfg.loss.class_weighted_ranks:
+            if rank not in ranks or rank not in stored or len(stored[rank]) != num_classes.get(rank):
+                raise UserError(f"loss.class_weighted_ranks: no class weights of {rank!r} that fit data.ranks "
+                                f"{ranks}; rerun `make prep-fungitastic`")
+            class_weights[rank] = stored[rank].to(device)
+    criterion = MultiTaskLoss(ranks, dict(cfg.loss.rank_weights), class_weights, cfg.loss.label_smoothing)
+
+    # ---- model ---------------------------------------------------------------------------------
+    model = build_model(cfg.model, num_classes, ranks, cfg.data.image_size)
+    loaded_weights = load_pretrained(model, cfg.model.pretrained) if cfg.model.pretrained else None
+    stats = (tuple(model.backbone.pretrained_cfg["mean"]), tuple(model.backbone.pretrained_cfg["std"]))
+    model = model.to(device)
+    if cfg.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if dist_info.distributed:
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    forward = torch.compile(model) if cfg.trainer.compile else model
+
+    # ---- loaders: workers decode and augment, seeded per (seed, epoch, index) ---------------------
+    pin_memory = device.type == "cuda"
+    sampler = ResumableDistributedSampler(len(splits["train"].paths), dist_info.rank, dist_info.world_size,
+                                          seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
+    draft = cfg.data.image_size if cfg.data.draft_decode else 0
+    train_images = PerSampleSeeded(FungiImages(splits["train"], train_transform(cfg.data), draft), cfg.seed)
+    micro_batch = cfg.trainer.batch_size
+    train_loader = make_loader(train_images, sampler, micro_batch, cfg.trainer.num_workers, pin_memory)
+    eval_loaders = {name: eval_loader(split, cfg, dist_info, pin_memory)
+                    for name, split in splits.items() if name != "train"}
+
+    # ---- optimization: batch bookkeeping, LR rule, schedule ---------------------------------
+    accumulate = accumulation_steps(cfg.trainer.global_batch_size, micro_batch, dist_info.world_size)
+    global_batch = micro_batch * dist_info.world_size * accumulate
+    lr = scaled_lr(cfg.optim.lr, global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
+    raw_model = train_state.unwrap_model(model)
+    optimizer = torch.optim.AdamW(optimizer_groups(raw_model, lr, cfg.optim.weight_decay, cfg.optim.layer_decay),
+                                  lr=lr, betas=tuple(cfg.optim.betas))
+    steps_per_epoch = math.ceil(math.ceil(sampler.samples_per_rank_in_epoch() / micro_batch) / accumulate)
+    total_steps = steps_per_epoch * cfg.trainer.epochs
+    if cfg.trainer.max_steps:
+        total_steps = min(total_steps, cfg.trainer.max_steps)
+    scheduler = warmup_cosine(optimizer, round(cfg.optim.warmup_epochs * steps_per_epoch), total_steps,
+                              cfg.optim.min_lr_ratio)
+    scaler = grad_scaler(device, cfg.trainer.precision)
+    train_sums = SumMetrics(device)
+
+    # ---- resume: the newest valid checkpoint in the checkpoint directory, if any ------------
+    checkpoints = CheckpointManager(
+        cfg.checkpoint.dir,
+        keep_last=cfg.checkpoint.keep_last,
+        keep_best=cfg.checkpoint.keep_best,
+        best_metric=cfg.checkpoint.best_metric,
+        best_mode=cfg.checkpoint.best_mode,
+        async_save=cfg.checkpoint.async_save,
+    )
+    progress = train_state.Progress()
+    loaded = checkpoints.load_latest(map_location=device) if cfg.checkpoint.resume else None
+    if loaded is not None:
+        progress = train_state.restore(loaded.state, model, optimizer, scheduler, scaler, sampler, train_sums)
+    else:
+        sampler.set_epoch(0)
+
+    logger = RunLogger(
+        cfg.logging.backend,
+        cfg.logging.dir,
+        dist_info.is_main,
+        run_name=f"{cfg.recipe}/{cfg.name}",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        resume_step=progress.step,
+        wandb_project=cfg.logging.wandb_project,
+        wandb_mode=cfg.logging.wandb_mode,
+        progress_bar=cfg.logging.progress_bar,
+    )
+    if loaded is not None:
+        logger.console(f"resumed from {loaded.path} (step {progress.step}, epoch {progress.epoch})")
+    for split in splits.values():
+        logger.console(f"{split.name}: {len(split.paths)} images from {split.csv}")
+        if split.unknown_species:
+            logger.console(f"{split.name}: excluded {split.unknown_species} row(s) whose species is unknown (-1) "
+                           f"from the closed-set metrics")
+        if split.skipped_missing:
+            logger.console(f"{split.name}: skipped {split.skipped_missing} row(s) whose image is missing "
+                           f"(data.skip_missing=true)")
+    if loaded_weights:
+        logger.console(f"pretrained {loaded_weights} from {cfg.model.pretrained}")
+    logger.console(
+        f"fungitastic: {cfg.model.name} with heads {', '.join(f'{r} ({num_classes[r]})' for r in ranks)} on "
+        f"{dist_info.world_size} rank(s) on {device.type}, global batch {global_batch} ({micro_batch} x "
+        f"{dist_info.world_size} ranks x {accumulate} accumulation), lr {lr:g}, {total_steps} steps"
+    )
+
+    timer = train_state.SegmentTimer()
+    stop_flag = StopFlag()
+    cadence = CheckpointCadence(
+        cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds, cfg.checkpoint.sync_every_steps, device, stop_flag
+    )
+
+    def save(metrics: dict[str, float] | None = None) -> None:
+        progress.train_seconds += timer.lap()
+        state = train_state.capture(model, optimizer, scheduler, scaler, sampler, progress, train_sums)
+        checkpoints.save(progress.step, state, metrics)
+        cadence.saved()
+
+    def run_eval(split: str) -> dict[str, float]:
+        metrics = evaluate(forward, eval_loaders[split], cfg, dist_info, criterion, num_classes, parents, stats,
+                           prefix=split)
+        logger.log(metrics, progress.step)
+        headline = [f"{split}/{rank}/{m}" for rank in ranks[:1] for m in ("top1", "top3", "f1")]
+        headline += [f"{split}/hierarchy_consistency"] if parents else []
+        logger.console(f"epoch {progress.epoch}, step {progress.step}: "
+                       + ", ".join(f"{name} {metrics[name]:.4f}" for name in headline))
+        return metrics
+
+    def training_done() -> bool:
+        return progress.epoch >= cfg.trainer.epochs or progress.step >= total_steps
+
+    # ---- training loop --------------------------------------------------------------------
+    model.train()
+    if not training_done():
+        progress.finished = False  # a finished run restarted with more epochs or steps goes on
+    while not training_done():
+        batches = iter(train_loader)  # the rest of this epoch, from the sampler's position
+        steps_left_in_epoch = math.ceil(len(train_loader) / accumulate)
+        bar = logger.progress(steps_per_epoch, initial=steps_per_epoch - steps_left_in_epoch,
+                              description=f"epoch {progress.epoch + 1}/{cfg.trainer.epochs}")
+        for _ in range(steps_left_in_epoch):
+            group = list(itertools.islice(batches, accumulate))
+            group_samples = sum(len(labels) for _, labels in group)
+            for i, (images, labels) in enumerate(group):
+                x = normalize(images.to(device, non_blocking=True), *stats)
+                if cfg.trainer.channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                labels = labels.to(device, non_blocking=True)
+                skip_grad_sync = dist_info.distributed and i < len(group) - 1
+                with model.no_sync() if skip_grad_sync else contextlib.nullcontext():
+                    with autocast(device, cfg.trainer.precision):
+                        outputs = forward(x)
+                        loss = criterion(outputs, labels)
+                    scaler.scale(loss * (len(labels) / group_samples)).backward()
+                hits = {f"correct_{rank}": ((outputs[rank].argmax(1) == labels[:, column])).sum()
+                        for column, rank in enumerate(ranks)}
+                known = {f"count_{rank}": (labels[:, column] != metadata.UNKNOWN).sum() for column, rank in enumerate(ranks)}
+                train_sums.add(loss=loss.detach() * len(labels), count=len(labels), **hits, **known)
+            if cfg.trainer.grad_clip_norm:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            sampler.advance(group_samples)
+            progress.step += 1
+            bar.update()
+
+            if progress.step % cfg.trainer.log_every_steps == 0:
+                sums = train_sums.reduce()
+                train_sums.reset()
+                metrics = {"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0]}
+                metrics |= {f"train/{rank}/top1": ratio(sums, f"correct_{rank}", f"count_{rank}") for rank in ranks}
+                logger.log(metrics, progress.step)
+                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+            if progress.step >= total_steps:
+                break
+            decision = cadence.after_step(progress.step)
+            if decision.save:
+                save()
+            if decision.stop:
+                bar.close()
+                checkpoints.wait()
+                logger.close()
+                raise Preempted(f"received {stop_flag.signal_name or 'a stop signal on another rank'}: "
+                                f"checkpoint saved at step {progress.step}")
+        bar.close()
+
+        if len(sampler) == 0:  # every sample of this epoch is done
+            progress.epoch += 1
+            sampler.set_epoch(progress.epoch)
+            if not training_done():
+                due = progress.epoch % cfg.trainer.eval_every_epochs == 0
+                save(run_eval("val") if due else None)
+
+    # ---- finish: final validation and test evaluation and checkpoint, then summary.json ------
+    if progress.finished:
+        eval_metrics = loaded.metrics
+    else:
+        eval_metrics = run_eval("val")
+        if "test" in eval_loaders:
+            eval_metrics |= run_eval("test")
+        progress.finished = True
+        save(eval_metrics)
+    checkpoints.wait()
+    logger.close()
+    stop_flag.restore()
+    if dist_info.is_main:
+        best_file = Path(cfg.checkpoint.dir) / "best"
+        summary = write_summary(
+            cfg.run_dir,
+            recipe=cfg.recipe,
+            metrics=eval_metrics,
+            progress=progress,
+            world_size=dist_info.world_size,
+            model_digest=train_state.model_digest(model),
+            best_checkpoint=best_file.read_text().strip() if best_file.is_file() else None,
+            best_metric=cfg.checkpoint.best_metric,
+            excluded_unknown_species={name: split.unknown_species for name, split in splits.items()},
+            skipped_missing_images={name: split.skipped_missing for name, split in splits.items()},
+        )
+        final = "test" if "test" in eval_loaders else "val"
+        logger.console(
+            f"done: {final} {ranks[0]} top-1 {eval_metrics[f'{final}/{ranks[0]}/top1']:.4f}, macro-F1 "
+            f"{eval_metrics[f'{final}/{ranks[0]}/f1']:.4f} after {progress.step} steps\n"
+            f"  summary:      {summary}\n"
+            f"  checkpoints:  {Path(cfg.checkpoint.dir)}  (best by {cfg.checkpoint.best_metric}: see its 'best' file)\n"
+            f"  tensorboard:  {Path(cfg.logging.dir)}  (tensorboard --logdir {cfg.logging.dir})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""fungitastic on a tiny FungiTastic-format dataset (CSVs + JPEGs, four species in two genera):
+data prep, metrics against scikit-learn, pretrained loading, end to end, SIGKILL resume, 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from sklearn.metrics import f1_score
+from sklearn.utils.class_weight import compute_class_weight
+
+from common.errors import UserError
+from recipes.fungitastic import metadata
+from recipes.fungitastic.config import DataConfig, ModelConfig
+from recipes.fungitastic.data import load_split
+from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
+from recipes.fungitastic.model import build_model, load_pretrained
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    latest_step,
+    read_summary,
+    recipe_env,
+    run_recipe,
+    start_recipe,
+    wait_for_step,
+)
+from tests.fake_data import FUNGI_TAXA, write_fungitastic
+
+RECIPE = "fungitastic"
+RANKS = ["species", "genus", "family", "order", "class", "phylum"]
+TINY = [
+    "model.name=test_vit",
+    "model.pretrained=",
+    "model.drop_path_rate=0",
+    "data.image_size=32",
+    "trainer.batch_size=4",
+    "trainer.precision=fp32",
+    "trainer.num_workers=0",
+    "optim.lr=0.001",
+    "logging.backend=none",
+    "logging.progress_bar=false",
+    "checkpoint.every_seconds=0",
+]
+TRAIN_ROWS = 24  # 6 per species in the fake training split
+
+
+def prep(source: Path, out: Path, *args: str, mini: bool = False) -> subprocess.CompletedProcess:
+    env = recipe_env(MINI="1" if mini else "0")
+    return subprocess.run([sys.executable, "-m", "data_prep.fungitastic", "--source", str(source), "--out", str(out),
+                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def overrides(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [f"data.root={data}", f"run_dir={run_dir}", *TINY, *extra]
+
+
+@pytest.fixture(scope="module")
+def fungi_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fake download, prepared with MINI=1 (two rows per species in the minimal CSVs)."""
+    base = tmp_path_factory.mktemp("fungitastic")
+    write_fungitastic(base / "download")
+    assert_ok(prep(base / "download", base / "data", "--per-species", "2", mini=True))
+    return base / "data"
+
+
+@pytest.fixture(scope="module")
+def reference_run(fungi_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """An uninterrupted 3-epoch run (no DataLoader workers), shared by the end-to-end and resume tests."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    result = run_recipe(RECIPE, overrides(fungi_data, run_dir, *RESUME_SETTINGS))
+    assert_ok(result)
+    return run_dir, result
+
+
+RESUME_SETTINGS = ["trainer.epochs=3", "checkpoint.every_steps=1", "model.derive_from_species=true",
+                   "loss.rank_weights.phylum=0.5", "seed=3"]
+
+
+# ------------------------------------------------------------------------------------ data prep
+
+
+def test_prep_builds_mappings_class_weights_and_minimal_subsets(fungi_data: Path) -> None:
+    prepared = fungi_data / "prepared" / "FungiTastic-Mini"
+    mappings = json.loads((prepared / metadata.MAPPINGS_FILE).read_text())
+    assert mappings["ranks"] == RANKS
+    assert mappings["name_to_index"]["species"] == {taxon[1]: taxon[0] for taxon in FUNGI_TAXA}
+    assert mappings["name_to_index"]["genus"] == {"Amanita": 0, "Russula": 1}
+    assert mappings["name_to_index"]["order"] == {"Agaricales": 0, "Russulales": 1}
+    assert mappings["num_classes"] == {"species": 4, "genus": 2, "family": 2, "order": 2, "class": 1, "phylum": 1}
+    assert mappings["species_parents"]["Russula emetica"] == {
+        "genus": "Russula", "family": "Russulaceae", "order": "Russulales", "class": "Agaricomycetes",
+        "phylum": "Basidiomycota"}
+    assert "Boletus edulis" not in mappings["species_parents"], "the unknown species (-1) is not a class"
+
+    weights = torch.load(prepared / metadata.CLASS_WEIGHTS_FILE, weights_only=True)
+    train = pd.read_csv(fungi_data / "metadata" / "FungiTastic-Mini" / "FungiTastic-Mini-Train.csv")
+    for rank in RANKS:
+        labels = train[rank].map(mappings["name_to_index"][rank]) if rank != "species" else train["category_id"]
+        expected = compute_class_weight("balanced", classes=np.arange(mappings["num_classes"][rank]), y=labels)
+        np.testing.assert_allclose(weights[rank].numpy(), expected, rtol=1e-6)
+
+    minimal = pd.read_csv(prepared / "FungiTastic-Mini-Train-Minimal.csv")
+    assert minimal["category_id"].value_counts().to_dict() == {0: 2, 1: 2, 2: 2, 3: 2}
+    first_two = train.groupby("category_id").head(2)
+    assert sorted(minimal["filename"]) == sorted(first_two["filename"])
+    assert list(minimal.columns) == list(train.columns)
+
+
+def test_prep_reports_a_missing_image_and_fails_unless_told_to_skip(tmp_path: Path) -> None:
+    download = write_fungitastic(tmp_path / "download")
+    val_csv = download / "metadata" / "FungiTastic-Mini" / "FungiTastic-Mini-Val.csv"
+    gone = pd.read_csv(val_csv).query("category_id != -1")["filename"].iloc[3]
+    (download / "FungiTastic-Mini" / "val" / "300p" / gone).unlink()
+
+    result = prep(download, tmp_path / "data")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert f"1 of 9 images listed in FungiTastic-Mini-Val.csv are missing from" in lines[0]
+    assert gone in lines[0]
+    assert (tmp_path / "data" / "prepared" / "FungiTastic-Mini" / metadata.MAPPINGS_FILE).is_file()
+
+    skipped = prep(download, tmp_path / "data", "--skip-missing")
+    assert_ok(skipped)
+    assert f"warning: 1 of 9 images listed in FungiTastic-Mini-Val.csv are missing" in skipped.stdout
+
+    mappings = metadata.load_mappings(tmp_path / "data" / "prepared", "mini")
+    cfg = DataConfig(root=str(tmp_path / "data"), prepared_dir=str(tmp_path / "data" / "prepared"))
+    with pytest.raises(UserError, match=f"1 of 8 images .* missing .*{gone}.*data.skip_missing=true"):
+        load_split(cfg, "val", mappings)
+    cfg.skip_missing = True
+    split = load_split(cfg, "val", mappings)
+    assert (split.skipped_missing, split.unknown_species, len(split.paths)) == (1, 1, 7)
+
+
+def test_both_csv_name_forms_and_label_columns_are_read(tmp_path: Path) -> None:
+    write_fungitastic(tmp_path, mini=False, closed_set_names=True, label_column="class_id")
+    csv = metadata.find_csv(tmp_path, "full", "val")
+    assert csv.name == "FungiTastic-ClosedSet-Val.csv"
+    frame = metadata.read_metadata(csv)
+    assert (frame["label"] == frame["class_id"]).all()
+    known, unknown = metadata.known_species(frame)
+    assert unknown == 1 and len(known) == 8 and (known["label"] >= 0).all()
+    with pytest.raises(UserError, match="no FungiTastic-Mini-Val.csv or FungiTastic-Mini-ClosedSet-Val.csv"):
+        metadata.find_csv(tmp_path, "mini", "val")
+    with pytest.raises(UserError, match="the image size must be one of 300p, 500p, 720p, fullsize, not '1000p'"):
+        metadata.image_dir(tmp_path, "full", "val", "1000p")
+
+
+# -------------------------------------------------------------------------------------- metrics
+
+
+def test_macro_f1_top1_and_top3_match_scikit_learn_and_ignore_unknown_labels() -> None:
+    classes = 5  # class 4 is neither a label nor a prediction: it counts as F1 0
+    labels = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3, 0, -1])
+    logits = torch.randn(len(labels), classes, generator=torch.Generator().manual_seed(0))
+    logits[:, 4] -= 100
+    metrics = TaxonomyMetrics({"species": classes}, {}, torch.device("cpu"))
+    metrics.add_rank("species", logits[:6], labels[:6])  # two batches: counts add up exactly
+    metrics.add_rank("species", logits[6:], labels[6:])
+    result = metrics.compute("val", ["species"])
+
+    known = labels != -1
+    y_true, scores = labels[known].numpy(), logits[known]
+    y_pred = scores.argmax(1).numpy()
+    expected_f1 = f1_score(y_true, y_pred, labels=range(classes), average="macro", zero_division=0)
+    assert result["val/species/f1"] == pytest.approx(expected_f1, abs=1e-12)
+    assert result["val/species/top1"] == pytest.approx((y_true == y_pred).mean())
+    top3 = scores.topk(3, dim=1).indices.numpy()
+    assert result["val/species/top3"] == pytest.approx(np.mean([t in row for t, row in zip(y_true, top3)]))
+    assert expected_f1 != pytest.approx(f1_score(y_true, y_pred, average="macro", zero_division=0)), \
+        "the fixed case must tell the label-space average from the present-classes average"
+
+
+def test_hierarchy_consistency_on_a_hand_made_case() -> None:
+    parents = {"genus": torch.tensor([0, 0, 1, 1]), "family": torch.tensor([0, 0, 1, 1])}
+    metrics = TaxonomyMetrics({"species": 4, "genus": 2, "family": 2}, parents, torch.device("cpu"))
+    metrics.add_consistency({
+        "species": torch.tensor([0, 2, 3, 1]),  # parents: 0, 1, 1, 0
+        "genus": torch.tensor([0, 0, 1, 0]),  # wrong for the second prediction
+        "family": torch.tensor([0, 1, 1, 1]),  # wrong for the fourth
+    })
+    result = metrics.compute("val", [])
+    assert result["val/genus/consistent_with_species"] == 0.75
+    assert result["val/family/consistent_with_species"] == 0.75
+    assert result["val/hierarchy_consistency"] == 0.5
+
+
+def test_higher_ranks_derived_from_species_sum_the_species_probabilities() -> None:
+    species_logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]]))
+    derived = species_marginals(species_logits, torch.tensor([0, 0, 1, 1]), 2).exp()
+    torch.testing.assert_close(derived, torch.tensor([[0.3, 0.7], [0.8, 0.2]]))
+
+
+# --------------------------------------------------------------------------------------- model
+
+
+def test_pretrained_weights_from_a_local_file_fill_the_backbone_and_species_head(tmp_path: Path) -> None:
+    import timm
+
+    published = timm.create_model("test_vit", num_classes=4, img_size=32)
+    torch.save({"state_dict": published.state_dict()}, tmp_path / "fungi.pth")
+    num_classes = {"species": 4, "genus": 2}
+    model = build_model(ModelConfig(name="test_vit", drop_path_rate=0), num_classes, ["species", "genus"], 32)
+    assert load_pretrained(model, str(tmp_path / "fungi.pth")) == "backbone and species head"
+    for key, value in model.backbone.state_dict().items():
+        torch.testing.assert_close(value, published.state_dict()[key], rtol=0, atol=0)
+    torch.testing.assert_close(model.heads["species"].weight, published.head.weight, rtol=0, atol=0)
+
+    other = timm.create_model("test_resnet", num_classes=4)
+    torch.save(other.state_dict(), tmp_path / "other.pth")
+    with pytest.raises(UserError, match="does not fit"):
+        load_pretrained(model, str(tmp_path / "other.pth"))
+    with pytest.raises(UserError, match="neither a file"):
+        load_pretrained(model, str(tmp_path / "absent.pth"))
+
+
+# -------------------------------------------------------------------------------- end to end
+
+
+def test_end_to_end_reports_every_rank_on_val_and_test(reference_run: tuple[Path, subprocess.CompletedProcess]) -> None:
+    run_dir, result = reference_run
+    summary = read_summary(run_dir)
+    assert summary["steps"] == 3 * TRAIN_ROWS // 4
+    assert summary["epochs"] == 3 and summary["resumes"] == 0 and summary["world_size"] == 1
+    metrics = summary["metrics"]
+    for split in ("val", "test"):
+        assert metrics[f"{split}/samples"] == 8, "the unknown-species row is left out"
+        for rank in RANKS:
+            for name in ("top1", "top3", "f1"):
+                assert 0 <= metrics[f"{split}/{rank}/{name}"] <= 1
+        for rank in RANKS[1:]:
+            assert f"{split}/{rank}_from_species/f1" in metrics
+        assert 0 <= metrics[f"{split}/hierarchy_consistency"] <= 1
+    assert metrics["val/species/top1"] > 0.5, "each species has its own colour; training did not learn"
+    assert summary["excluded_unknown_species"] == {"train": 0, "val": 1, "test": 1}
+    assert "val: excluded 1 row(s) whose species is unknown (-1) from the closed-set metrics" in result.stdout
+    best = (run_dir / "checkpoints" / "best").read_text().strip()
+    assert summary["best_checkpoint"] == best and (run_dir / "checkpoints" / best).is_dir()
+    assert summary["best_metric"] == "val/species/f1"
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bit_exact(
+    fungi_data: Path, reference_run: tuple[Path, subprocess.CompletedProcess], tmp_path: Path
+) -> None:
+    reference, _ = reference_run
+    steps_total = read_summary(reference)["steps"]
+    interrupted = tmp_path / "interrupted"
+    settings = [*RESUME_SETTINGS, "trainer.num_workers=1"]  # workers must not change the augmentation
+    kill_after = random.Random(7).randint(3, steps_total // 2)
+    process = start_recipe(RECIPE, overrides(fungi_data, interrupted, *settings))
+    wait_for_step(interrupted / "checkpoints", kill_after, process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (interrupted / "summary.json").exists(), "the run finished before it could be killed"
+    assert 0 < latest_step(interrupted / "checkpoints") < steps_total
+
+    result = run_recipe(RECIPE, overrides(fungi_data, interrupted, *settings))
+    assert_ok(result)
+    assert "resumed from" in result.stdout
+    resumed = read_summary(interrupted)
+    assert resumed["resumes"] == 1 and resumed["steps"] == steps_total
+    assert resumed["model_digest"] == read_summary(reference)["model_digest"]
+
+
+def test_two_process_gloo_run_counts_every_sample_once(fungi_data: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(fungi_data, data, symlinks=False)
+    val_csv = data / "metadata" / "FungiTastic-Mini" / "FungiTastic-Mini-Val.csv"
+    known = pd.read_csv(val_csv).query("category_id != -1")
+    (data / "FungiTastic-Mini" / "val" / "300p" / known["filename"].iloc[0]).unlink()  # 7 rows: uneven split
+    run_dir = tmp_path / "run"
+    result = run_recipe(RECIPE, overrides(data, run_dir, "trainer.epochs=1", "data.skip_missing=true",
+                                          "loss.class_weighted_ranks=[species,genus]"), nproc=2)
+    assert_ok(result)
+    assert "val: skipped 1 row(s) whose image is missing (data.skip_missing=true)" in result.stdout
+    summary = read_summary(run_dir)
+    assert summary["world_size"] == 2
+    assert summary["steps"] == TRAIN_ROWS // (4 * 2)
+    assert summary["metrics"]["val/samples"] == 7
+    assert summary["metrics"]["test/samples"] == 8
+    assert summary["skipped_missing_images"] == {"train": 0, "val": 1, "test": 0}
+
+
+def test_a_bad_rank_is_a_one_line_error_before_any_work(fungi_data: Path, tmp_path: Path) -> None:
+    result = run_recipe(RECIPE, [*overrides(fungi_data, tmp_path / "run"), "data.ranks=[species,kingdom]"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: data.ranks names ['kingdom']; taxonomic_mappings.json has "
+        "['species', 'genus', 'family', 'order', 'class', 'phylum']"]
+    assert not (tmp_path / "run" / "checkpoints").exists()
