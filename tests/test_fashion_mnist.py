@@ -179,3 +179,15 @@ def test_cfg_job_prints_the_resolved_config(tmp_path: Path) -> None:
     assert_ok(result)
     assert f"dir: {tmp_path}/x/checkpoints" in result.stdout
     assert "${" not in result.stdout
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_runs_and_resumes(fashion_data: Path, tmp_path: Path, precision: str) -> None:
+    run_dir = tmp_path / "run"
+    settings = [f"trainer.precision={precision}", "trainer.epochs=1", "checkpoint.every_steps=2"]
+    assert_ok(run_recipe(RECIPE, overrides(fashion_data, run_dir, *settings, "trainer.max_steps=4")))
+    result = run_recipe(RECIPE, overrides(fashion_data, run_dir, *settings, "trainer.max_steps=8"))
+    assert_ok(result)
+    summary = read_summary(run_dir)
+    assert summary["steps"] == 8 and summary["resumes"] == 1
+    assert summary["metrics"]["eval/loss"] == summary["metrics"]["eval/loss"], "loss is NaN"

@@ -1,0 +1,114 @@
+"""Distributed pieces of common/: launch detection, exact metric reduction, agreed stop decisions."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common import distributed
+from common.errors import UserError
+from common.metrics import SumMetrics, ratio
+from common.optim import accumulation_steps, scaled_lr
+from common.preemption import CheckpointCadence, StopFlag
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_torchrun_variables_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert distributed._launch_env() == (3, 4, 1, "torchrun")
+
+
+def test_srun_without_torchrun_uses_slurm_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_NODELIST",
+                "SLURM_NODELIST"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3")
+    assert distributed._launch_env() == (5, 8, 1, "slurm")
+    assert os.environ["MASTER_ADDR"] == "10.1.2.3"
+    assert os.environ["MASTER_PORT"] == str(20000 + 1234)
+
+
+def test_neither_means_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    info = distributed.init_distributed("cpu")
+    assert (info.rank, info.world_size, info.launcher, info.device.type) == (0, 1, "single", "cpu")
+    assert not dist.is_initialized()
+
+
+def test_asking_for_cuda_without_a_gpu_is_a_user_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(UserError, match="no CUDA GPU"):
+        distributed.resolve_device("cuda")
+
+
+def test_accumulation_and_lr_scaling_rules() -> None:
+    assert accumulation_steps(0, 32, 4) == 1
+    assert accumulation_steps(256, 32, 2) == 4
+    assert accumulation_steps(256, 32, 8) == 1
+    with pytest.raises(UserError, match="not a multiple"):
+        accumulation_steps(256, 48, 2)
+    assert scaled_lr(0.1, 512, 256, "linear") == pytest.approx(0.2)
+    assert scaled_lr(0.1, 1024, 256, "sqrt") == pytest.approx(0.2)
+    assert scaled_lr(0.1, 1024, 256, "none") == 0.1
+
+
+def _worker(rank: int, world_size: int, port: int, results: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        # Rank 0 sees 1 sample, all correct; rank 1 sees 3, none correct. The exact accuracy is
+        # 1/4; an average of rank averages would say 1/2.
+        sums = SumMetrics(torch.device("cpu"))
+        if rank == 0:
+            sums.add(correct=torch.tensor([1]), count=1)
+        else:
+            sums.add(correct=torch.tensor([0, 0, 0]), count=3)
+        accuracy = ratio(sums.reduce(), "correct", "count")
+
+        # Only rank 1 receives the signal, during step 3; with checks every 2 steps both ranks
+        # must decide to save and stop at step 4, neither earlier.
+        flag = StopFlag()
+        cadence = CheckpointCadence(every_steps=0, every_seconds=0, sync_every_steps=2,
+                                    device=torch.device("cpu"), stop_flag=flag)
+        stopped_at = None
+        for step in range(1, 9):
+            if rank == 1 and step == 3:
+                flag.signal_name = "SIGUSR1"
+            decision = cadence.after_step(step)
+            if decision.stop:
+                assert decision.save
+                stopped_at = step
+                break
+        flag.restore()
+        (results / f"rank{rank}.txt").write_text(f"{accuracy} {stopped_at}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_reduce_exactly_and_agree_when_to_stop(tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(2, free_port(), tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        accuracy, stopped_at = (tmp_path / f"rank{rank}.txt").read_text().split()
+        assert float(accuracy) == 0.25
+        assert stopped_at == "4"

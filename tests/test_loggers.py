@@ -1,0 +1,39 @@
+"""Rank-0 logging: TensorBoard events, W&B offline runs, and silence elsewhere."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.loggers import RunLogger
+
+
+def test_tensorboard_writes_events(tmp_path: Path) -> None:
+    logger = RunLogger("tensorboard", tmp_path / "tb", is_main=True, run_name="r")
+    logger.log({"train/loss": 1.5}, step=3)
+    logger.close()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_non_main_ranks_write_nothing_and_never_import_wandb(tmp_path: Path) -> None:
+    sys.modules.pop("wandb", None)
+    logger = RunLogger("wandb", tmp_path / "wandb", is_main=False, run_name="r")
+    logger.log({"train/loss": 1.0}, step=1)
+    logger.close()
+    assert not (tmp_path / "wandb").exists()
+    assert "wandb" not in sys.modules
+
+
+def test_wandb_runs_offline_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = RunLogger("wandb", tmp_path / "wandb", is_main=True, run_name="recipe/name", config={"a": 1})
+    logger.log({"train/loss": 1.0}, step=1)
+    logger.close()
+    assert list((tmp_path / "wandb").rglob("offline-run-*")), "no offline W&B run directory was written"
+
+
+def test_unknown_backend_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tensorboard, wandb or none"):
+        RunLogger("mlflow", tmp_path, is_main=True, run_name="r")
