@@ -71,17 +71,8 @@ class PerSampleSeeded(Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
-        seed = sample_seed(self.seed, epoch, index)
-        py_state, np_state = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=[]):
-            random.seed(seed)
-            np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(py_state)
-                np.random.set_state(np_state)
+        with seeded_global_rng(self.seed, epoch, index):
+            return self.dataset[index]
 
 
 def make_loader(
