@@ -11,6 +11,8 @@ import random
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +36,16 @@ from recipes.tv_segmentation.metrics import ConfusionMatrix, segmentation_scores
 from recipes.tv_segmentation.model import build_model
 from recipes.tv_segmentation.sync_batchnorm import AllReduceBatchNorm, convert_sync_batchnorm
 from recipes.tv_segmentation.train import evaluate
-from tests.conftest import REPO, assert_ok, latest_step, read_summary, recipe_env, run_recipe, start_recipe, wait_for_step
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    latest_step,
+    read_summary,
+    recipe_env,
+    run_recipe,
+    start_recipe,
+    wait_for_step,
+)
 from tests.fake_data import write_coco, write_voc
 
 RECIPE = "tv_segmentation"
@@ -276,9 +287,6 @@ def test_two_gloo_ranks_train_with_sync_batchnorm(voc_data: Path, tmp_path: Path
 
 
 def test_coco_prepared_by_data_prep_trains(coco_data: Path, tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     out = tmp_path / "prepared"
     prep = subprocess.run([sys.executable, "-m", "data_prep.tv_segmentation", "--source", str(coco_data),
                            "--out", str(out), "--workers", "1"], cwd=REPO, env=recipe_env(),
