@@ -200,6 +200,47 @@ def write_coco(root: Path, n_extra_train: int = 8, seed: int = 0) -> Path:
     return root
 
 
+def write_image_folder(
+    root: Path,
+    n_classes: int = 3,
+    train_per_class: int = 12,
+    val_per_class: int = 4,
+    size: int = 40,
+    flat_val: bool = False,
+    seed: int = 0,
+) -> Path:
+    """An ImageNet-style tree of JPEGs: ``train/<wnid>/<wnid>_<i>.JPEG`` and ``val/<wnid>/...``.
+
+    Each of the first three classes has its own dominant colour, so a tiny model can learn them.
+    With ``flat_val`` the val images lie directly in ``val/`` as ``ILSVRC2012_val_<n>.JPEG`` and
+    their classes are in ``LOC_val_solution.csv`` next to ``train/`` (the Kaggle ImageNet layout).
+    """
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    wnids = [f"n{1440764 + 1000 * c:08d}" for c in range(n_classes)]
+    solution_rows = ["ImageId,PredictionString"]
+    val_number = 0
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for label, wnid in enumerate(wnids):
+            colour = np.zeros(3)
+            colour[label % 3] = 200
+            for i in range(count):
+                pixels = np.clip(colour + rng.normal(0, 40, size=(size, size, 3)), 0, 255).astype(np.uint8)
+                if split == "val" and flat_val:
+                    val_number += 1
+                    name = f"ILSVRC2012_val_{val_number:08d}"
+                    path = root / "val" / f"{name}.JPEG"
+                    solution_rows.append(f"{name},{wnid} 1 2 {size - 2} {size - 1} {wnid} 0 0 5 5")
+                else:
+                    path = root / split / wnid / f"{wnid}_{i}.JPEG"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(pixels).save(path, format="JPEG", quality=90)
+    if flat_val:
+        (root / "LOC_val_solution.csv").write_text("\n".join(solution_rows) + "\n")
+    return root
+
+
 # category_id, species, genus, family, order, class, phylum; the last one stands for an unknown species
 FUNGI_TAXA = [
     (0, "Amanita muscaria", "Amanita", "Amanitaceae", "Agaricales", "Agaricomycetes", "Basidiomycota"),

@@ -1,0 +1,113 @@
+"""The timm_imagenet config schema; ``conf/timm_imagenet.yaml`` and the ``conf/experiment/timm_*``
+presets set its values. Names follow timm's ``train.py`` arguments where there is one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
+
+
+@dataclass
+class DataConfig:
+    root: str = "data/imagenet"  # ImageFolder tree: <root>/train/<wnid>/*.JPEG, <root>/val/<wnid>/*.JPEG
+    train_split: str = "train"
+    val_split: str = "val"
+    stage_to_local: bool = False  # copy data.root to stage_dir first (local rank 0 copies, the others wait)
+    stage_dir: str = "${oc.env:TMPDIR,/tmp}"  # node-local disk; SLURM sets TMPDIR per job on most clusters
+    # Resolutions: 0 / "" / 0.0 take the model's own default (timm's resolve_data_config).
+    train_size: int = 0
+    eval_size: int = 0
+    eval_crop_pct: float = 0.0  # eval resizes to eval_size / crop_pct, then centre-crops eval_size
+    interpolation: str = ""  # bilinear | bicubic | random
+    # Training augmentation (timm's create_transform).
+    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area range
+    ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    hflip: float = 0.5
+    color_jitter: float = 0.4  # timm turns it off when auto_augment is set
+    auto_augment: str = ""  # a timm policy ("rand-m9-mstd0.5-inc1", "original", "augmix-m5-w4-d2") or "ta_wide"
+    re_prob: float = 0.0  # random erasing
+    re_mode: str = "pixel"
+    re_count: int = 1
+    repeated_augmentation: int = 0  # copies of each sampled image per epoch (DeiT/timm --aug-repeats); 0 = off
+    ra_selected_round: int = 256  # as timm: the images used per epoch are rounded down to a multiple of this
+
+
+@dataclass
+class MixupConfig:
+    """timm's Mixup/CutMix; both alphas 0 = off."""
+
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    prob: float = 1.0  # probability of mixing a batch (or element)
+    switch_prob: float = 0.5  # probability of CutMix instead of Mixup when both are on
+    mode: str = "batch"  # batch | pair | elem
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet50"  # any timm model name (`timm.list_models()`), optionally with a weight tag
+    pretrained: bool = False  # load the name's published weights from the Hugging Face hub
+    pretrained_file: str = ""  # or load weights from this local file (.pth/.safetensors); the head is re-sized
+    drop_rate: float = 0.0  # dropout before the classifier
+    drop_path_rate: float = 0.0  # stochastic depth
+    kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model arguments, e.g. img_size
+
+
+@dataclass
+class EmaConfig:
+    enabled: bool = False
+    decay: float = 0.9998  # per optimizer step
+    warmup: bool = False  # timm's decay warmup (lower decay early in training)
+
+
+class Scheduler(str, Enum):
+    cosine = "cosine"
+    tanh = "tanh"
+    step = "step"
+    multistep = "multistep"
+    poly = "poly"
+
+
+class Loss(str, Enum):
+    ce = "ce"  # cross-entropy (soft-target with mixup), with label smoothing
+    bce = "bce"  # binary cross-entropy on (smoothed/mixed) one-hot targets, as in "ResNet strikes back"
+
+
+@dataclass
+class OptimConfig:
+    opt: str = "sgd"  # any timm optimizer (timm.optim.list_optimizers()); "sgd" is Nesterov SGD
+    lr: float = 0.1  # for trainer.lr_reference_batch_size, scaled by trainer.lr_scaling
+    momentum: float = 0.9
+    weight_decay: float = 1e-4  # not applied to norms and biases
+    opt_eps: float = 0.0  # 0 = the optimizer's default
+    sched: Scheduler = Scheduler.cosine
+    warmup_epochs: int = 5
+    warmup_lr: float = 1e-6
+    min_lr: float = 0.0
+    decay_epochs: float = 90.0  # step: decay every this many epochs
+    decay_milestones: list[int] = field(default_factory=lambda: [90, 180, 270])  # multistep
+    decay_rate: float = 0.1  # step / multistep factor
+    loss: Loss = Loss.ce
+    label_smoothing: float = 0.1
+    bce_target_thresh: float = 0.0  # bce only: binarize targets above this (0 = off)
+
+
+@dataclass
+class TimmImageNetConfig(RunConfig):
+    recipe: str = "timm_imagenet"
+    data: DataConfig = field(default_factory=DataConfig)
+    mixup: MixupConfig = field(default_factory=MixupConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+ConfigStore.instance().store(name="timm_imagenet_schema", node=TimmImageNetConfig)

@@ -1,0 +1,119 @@
+"""ImageNet-style ImageFolder data with timm's transforms.
+
+Layout: ``<root>/train/<wnid>/*.JPEG`` and ``<root>/val/<wnid>/*.JPEG`` (``make prep-timm_imagenet``
+checks it and sorts a flat val folder). Images are decoded and augmented in DataLoader workers;
+:class:`common.data.PerSampleSeeded` seeds each sample's augmentation from (seed, epoch, index),
+so the augmentations of a resumed run are those of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from timm.data import create_transform, resolve_data_config
+from torchvision import transforms as tv_transforms
+from torchvision.datasets import ImageFolder
+
+from common.errors import UserError
+from recipes.timm_imagenet.config import DataConfig
+
+class UnreadableImage(UserError):
+    """An image that does not decode. Stays one line when a DataLoader worker re-raises it
+    (PyTorch prefixes the worker's traceback to the message)."""
+
+    def __init__(self, message: str) -> None:
+        last_line = message.strip().splitlines()[-1]
+        super().__init__(last_line.split(f"{type(self).__name__}: ", 1)[-1])
+
+
+def load_rgb(path: str) -> Image.Image:
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as error:
+        raise UnreadableImage(
+            f"{path} is not a readable image ({error}); `make prep-timm_imagenet SOURCE=...` lists every such file"
+        ) from error
+
+
+def check_layout(root: str | Path, train_split: str, val_split: str) -> tuple[Path, Path]:
+    """The train and val folders, after checking they exist and hold the same classes."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"data directory {root} does not exist: run `make prep-timm_imagenet SOURCE=<dir>` "
+                        "or set data.root")
+    folders = []
+    for split in (train_split, val_split):
+        folder = root / split
+        if not folder.is_dir():
+            raise UserError(f"{folder} does not exist: data.root must hold {train_split}/<class>/ and "
+                            f"{val_split}/<class>/ folders (run `make prep-timm_imagenet SOURCE=<dir>`)")
+        folders.append(folder)
+    train_classes = {p.name for p in folders[0].iterdir() if p.is_dir()}
+    val_classes = {p.name for p in folders[1].iterdir() if p.is_dir()}
+    if not train_classes:
+        raise UserError(f"{folders[0]} has no class folders")
+    if val_classes != train_classes:
+        missing, extra = sorted(train_classes - val_classes), sorted(val_classes - train_classes)
+        raise UserError(f"{folders[1]} and {folders[0]} hold different classes (missing in val: {missing[:3]}, "
+                        f"only in val: {extra[:3]}); a flat val folder is sorted by `make prep-timm_imagenet`")
+    return folders[0], folders[1]
+
+
+def image_folder(folder: Path, transform: Any) -> ImageFolder:
+    try:
+        return ImageFolder(str(folder), transform=transform, loader=load_rgb)
+    except FileNotFoundError as error:
+        raise UserError(f"{folder}: {error}") from error
+
+
+def resolve(model: torch.nn.Module, size: int, crop_pct: float, interpolation: str) -> dict[str, Any]:
+    """timm's data config for ``model`` (input size, interpolation, mean/std, crop), with overrides."""
+    return resolve_data_config(
+        {
+            "input_size": (3, size, size) if size else None,
+            "crop_pct": crop_pct or None,
+            "interpolation": interpolation or None,
+        },
+        model=model,
+    )
+
+
+def train_transform(cfg: DataConfig, data_config: dict[str, Any]) -> Any:
+    """timm's training transform; ``ta_wide`` adds torchvision's TrivialAugmentWide, which the
+    torchvision reference recipes use and timm's factory does not offer."""
+    common = dict(
+        input_size=data_config["input_size"],
+        is_training=True,
+        scale=tuple(cfg.scale),
+        ratio=tuple(cfg.ratio),
+        hflip=cfg.hflip,
+        interpolation=data_config["interpolation"],
+        mean=data_config["mean"],
+        std=data_config["std"],
+        re_prob=cfg.re_prob,
+        re_mode=cfg.re_mode,
+        re_count=cfg.re_count,
+    )
+    if cfg.auto_augment != "ta_wide":
+        try:
+            return create_transform(**common, color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment or None)
+        except (AssertionError, KeyError, ValueError) as error:
+            raise UserError(f"data.auto_augment={cfg.auto_augment!r} is not a timm policy ({error})") from error
+    crop_and_flip, _, to_tensor = create_transform(**common, color_jitter=None, separate=True)
+    interpolation = tv_transforms.InterpolationMode.BICUBIC if data_config["interpolation"] == "bicubic" \
+        else tv_transforms.InterpolationMode.BILINEAR
+    return tv_transforms.Compose([crop_and_flip, tv_transforms.TrivialAugmentWide(interpolation=interpolation),
+                                  to_tensor])
+
+
+def eval_transform(data_config: dict[str, Any]) -> Any:
+    return create_transform(**data_config, is_training=False)
+
+
+def describe(data_config: dict[str, Any], with_crop: bool) -> str:
+    text = f"{data_config['input_size'][-1]}px {data_config['interpolation']}"
+    return f"{text} (crop_pct {data_config['crop_pct']:.4g})" if with_crop else text

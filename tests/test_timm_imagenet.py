@@ -1,0 +1,267 @@
+"""timm_imagenet on a tiny 3-class ImageFolder of JPEGs: end to end, bit-exact resume after SIGKILL,
+exact top-1/top-5 across ranks, the resumable repeated-augmentation sampler, presets, weights, data prep."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from common.entry import CONF_DIR
+from common.errors import UserError
+from data_prep import timm_imagenet as prep
+from recipes.timm_imagenet.data import resolve, train_transform
+from recipes.timm_imagenet.model import build_model
+from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
+from tests.conftest import assert_ok, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
+from tests.fake_data import write_image_folder
+
+RECIPE = "timm_imagenet"
+PRESETS = {  # preset: (timm model, published parameter count in millions)
+    "timm_resnet50": ("resnet50", 25.6),
+    "timm_resnet152": ("resnet152", 60.2),
+    "timm_efficientnet_b0": ("efficientnet_b0", 5.3),
+    "timm_efficientnet_b7": ("efficientnet_b7", 66.3),
+    "timm_efficientnetv2_s": ("efficientnetv2_s", 21.5),
+    "timm_efficientnetv2_xl": ("efficientnetv2_xl", 208.1),
+    "timm_vit_base_patch16_224": ("vit_base_patch16_224", 86.6),
+    "timm_vit_large_patch16_224": ("vit_large_patch16_224", 304.3),
+}
+TINY = [
+    "model.name=test_resnet",
+    "data.train_size=32",
+    "data.eval_size=32",
+    "trainer.batch_size=8",
+    "trainer.precision=fp32",
+    "trainer.num_workers=0",
+    "logging.backend=none",
+    "logging.progress_bar=false",
+    "checkpoint.every_seconds=0",
+    "checkpoint.async_save=false",
+]
+
+
+@pytest.fixture(scope="module")
+def imagenet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 classes of 40x40 JPEGs: 16 train and 5 val images per class (15 val: odd on 2 ranks)."""
+    return write_image_folder(tmp_path_factory.mktemp("imagenet"), train_per_class=16, val_per_class=5)
+
+
+def overrides(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [f"data.root={data}", f"run_dir={run_dir}", *TINY, *extra]
+
+
+def test_end_to_end_learns_stages_data_and_writes_outputs(imagenet: Path, tmp_path: Path) -> None:
+    run_dir, stage = tmp_path / "run", tmp_path / "node_local"
+    settings = ["trainer.epochs=4", "optim.lr=0.05", "trainer.lr_scaling=none", "optim.warmup_epochs=0",
+                "data.eval_size=40", "data.stage_to_local=true", f"data.stage_dir={stage}",
+                "logging.backend=tensorboard", "trainer.log_every_steps=2", "ema.enabled=true", "ema.decay=0.9"]
+    result = run_recipe(RECIPE, overrides(imagenet, run_dir, *settings))
+    assert_ok(result)
+    summary = read_summary(run_dir)
+    assert summary["steps"] == 4 * (48 // 8) and summary["epochs"] == 4
+    assert summary["num_classes"] == 3 and summary["model"] == "test_resnet"
+    assert summary["metrics"]["eval/top1"] > 0.6, "each class has its own colour; training did not learn"
+    assert summary["metrics"]["eval/top5"] == 1.0  # 3 classes: the top 5 always holds the label
+    assert 0 <= summary["metrics"]["eval_ema/top1"] <= 1 and len(summary["ema_digest"]) == 64
+    assert "train 32px bilinear, eval 40px bilinear (crop_pct 0.875)" in result.stdout
+    staged = list(stage.iterdir())
+    assert len(staged) == 1 and (staged[0] / ".staging-complete").is_file()
+    assert f"from {staged[0]}" in result.stdout
+    assert len(list((staged[0] / "train").rglob("*.JPEG"))) == 48
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "checkpoints" / "best").is_file()
+
+    again = run_recipe(RECIPE, overrides(imagenet, run_dir, *settings))
+    assert_ok(again)
+    assert "resumed from" in again.stdout
+    rerun = read_summary(run_dir)
+    assert rerun["model_digest"] == summary["model_digest"] and rerun["resumes"] == 1
+
+
+def test_sigkill_at_a_random_step_then_resume_is_bit_exact(imagenet: Path, tmp_path: Path) -> None:
+    """Every source of randomness at once: workers with RandAugment + random erasing, repeated
+    augmentation, Mixup/CutMix, drop path, EMA and gradient accumulation."""
+    settings = ["trainer.epochs=2", "checkpoint.every_steps=1", "trainer.num_workers=1", "seed=3",
+                "data.auto_augment=rand-m9-mstd0.5-inc1", "data.re_prob=0.5", "data.repeated_augmentation=3",
+                "data.ra_selected_round=0", "mixup.mixup_alpha=0.8", "mixup.cutmix_alpha=1.0",
+                "model.drop_path_rate=0.2", "ema.enabled=true", "trainer.global_batch_size=16",
+                "optim.opt=adamw", "optim.lr=0.002", "optim.weight_decay=0.05"]
+    reference = tmp_path / "reference"
+    assert_ok(run_recipe(RECIPE, overrides(imagenet, reference, *settings)))
+    steps_total = read_summary(reference)["steps"]
+    assert steps_total == 2 * (48 // 16)
+
+    interrupted = tmp_path / "interrupted"
+    process = start_recipe(RECIPE, overrides(imagenet, interrupted, *settings))
+    wait_for_step(interrupted / "checkpoints", random.Random(7).randint(2, steps_total - 2), process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (interrupted / "summary.json").exists(), "the run finished before it could be killed"
+    killed_at = latest_step(interrupted / "checkpoints")
+    assert 0 < killed_at < steps_total
+
+    result = run_recipe(RECIPE, overrides(imagenet, interrupted, *settings))
+    assert_ok(result)
+    assert f"(step {killed_at}," in result.stdout
+    resumed, uninterrupted = read_summary(interrupted), read_summary(reference)
+    assert resumed["resumes"] == 1 and resumed["steps"] == uninterrupted["steps"]
+    assert resumed["model_digest"] == uninterrupted["model_digest"]
+    assert resumed["ema_digest"] == uninterrupted["ema_digest"]
+
+
+def test_top1_top5_over_two_ranks_equal_one_rank(imagenet: Path, tmp_path: Path) -> None:
+    """epochs=0 evaluates the seeded initial weights: 15 val images split 8 + 7 over 2 gloo ranks
+    must give exactly the single-process counts."""
+    metrics = {}
+    for nproc in (1, 2):
+        run_dir = tmp_path / f"ranks{nproc}"
+        assert_ok(run_recipe(RECIPE, overrides(imagenet, run_dir, "trainer.epochs=0", "model.name=test_vit",
+                                               "+model.kwargs.img_size=32", "trainer.batch_size=4"), nproc=nproc))
+        summary = read_summary(run_dir)
+        assert summary["world_size"] == nproc
+        metrics[nproc] = summary["metrics"]
+    assert metrics[1]["eval/top1"] == metrics[2]["eval/top1"]
+    assert metrics[1]["eval/top5"] == metrics[2]["eval/top5"]
+    assert metrics[1]["eval/loss"] == pytest.approx(metrics[2]["eval/loss"], rel=1e-6)
+    assert round(metrics[1]["eval/top1"] * 15, 6).is_integer()  # a count over all 15 images, not a mean of means
+
+
+def test_a_corrupt_jpeg_in_a_worker_is_a_one_line_error(imagenet: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    write_image_folder(broken, train_per_class=4, val_per_class=1, size=32)
+    bad = sorted((broken / "train").rglob("*.JPEG"))[0]
+    bad.write_bytes(bad.read_bytes()[:100])
+    result = run_recipe(RECIPE, overrides(broken, tmp_path / "run", "trainer.num_workers=1", "trainer.epochs=1",
+                                          "trainer.batch_size=12"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {bad} is not a readable image"), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+# ---- in-process checks: sampler, presets, weights, layout errors, data prep ----------------------
+
+
+def test_repeated_augmentation_sampler_spreads_copies_over_ranks() -> None:
+    samplers = [RepeatedAugmentationSampler(40, repeats=3, rank=r, world_size=3, seed=1, selected_round=8)
+                for r in range(3)]
+    for sampler in samplers:
+        sampler.set_epoch(2)
+    keys = [list(sampler) for sampler in samplers]
+    assert all(len(k) == 40 // 3 for k in keys)  # 40 images rounded to 40 positions, 13 per rank
+    first_positions = [keys[r][0] for r in range(3)]  # positions 0, 1, 2: the three copies of one image
+    assert len({index for _, index in first_positions}) == 1
+    assert sorted(draw for draw, _ in first_positions) == [6, 7, 8]  # epoch 2 x 3 repeats + copy
+    all_keys = [key for rank_keys in keys for key in rank_keys]
+    assert len(set(all_keys)) == len(all_keys)  # no image is augmented twice with the same seed
+    assert max(Counter(index for _, index in all_keys).values()) == 3
+
+
+def test_repeated_augmentation_sampler_resumes_on_another_world_size() -> None:
+    def keys_from(sampler: RepeatedAugmentationSampler) -> list:
+        return list(sampler)
+
+    whole = RepeatedAugmentationSampler(50, repeats=2, seed=4, selected_round=0)
+    whole.set_epoch(1)
+    order = keys_from(whole)
+
+    first = [RepeatedAugmentationSampler(50, repeats=2, rank=r, world_size=2, seed=4, selected_round=0)
+             for r in range(2)]
+    for sampler in first:
+        sampler.set_epoch(1)
+    done = [keys_from(sampler)[:5] for sampler in first]  # 5 samples per rank, then the job stops
+    for sampler in first:
+        sampler.advance(5)
+    state = first[0].state_dict()
+
+    rest = RepeatedAugmentationSampler(50, repeats=2, world_size=1, seed=4, selected_round=0)
+    rest.load_state_dict(state)
+    interleaved = [key for pair in zip(*done) for key in pair]
+    assert interleaved + keys_from(rest) == order  # nothing skipped or repeated across the restart
+    with pytest.raises(ValueError, match="repeats"):
+        RepeatedAugmentationSampler(50, repeats=3, seed=4, selected_round=0).load_state_dict(state)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_each_preset_composes_and_its_model_and_transforms_build(preset: str, tmp_path: Path) -> None:
+    assert (Path(CONF_DIR) / "experiment" / f"{preset}.yaml").read_text().count("http") >= 1, "cite the source"
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name=RECIPE, overrides=[f"+experiment={preset}", f"run_dir={tmp_path}"])
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    model_name, millions = PRESETS[preset]
+    assert cfg.model.name == model_name and not cfg.model.pretrained
+    with torch.device("meta"):
+        model = build_model(cfg.model, num_classes=1000)
+    assert sum(p.numel() for p in model.parameters()) / 1e6 == pytest.approx(millions, abs=0.1)
+    data_config = resolve(model, cfg.data.train_size, 0.0, cfg.data.interpolation)
+    assert data_config["input_size"][-1] == cfg.data.train_size
+    transform = train_transform(cfg.data, data_config)
+    policy = cfg.data.auto_augment.split("-")[0]
+    expected = {"ta_wide": "TrivialAugmentWide", "rand": "RandAugment", "v0": "AutoAugment"}[policy]
+    assert expected in repr(transform)
+
+
+def test_pretrained_weights_load_from_a_local_file(tmp_path: Path) -> None:
+    source = build_model(OmegaConf.structured({"name": "test_resnet", "pretrained": False, "pretrained_file": "",
+                                               "drop_rate": 0.0, "drop_path_rate": 0.0, "kwargs": {}}), 1000)
+    weights = tmp_path / "weights.pth"
+    torch.save(source.state_dict(), weights)
+    cfg = OmegaConf.structured({"name": "test_resnet", "pretrained": False, "pretrained_file": str(weights),
+                                "drop_rate": 0.0, "drop_path_rate": 0.0, "kwargs": {}})
+    torch.manual_seed(123)  # a different random init, so equality can only come from the file
+    same_classes, other_classes = build_model(cfg, 1000), build_model(cfg, 3)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(same_classes.state_dict()[name], tensor), name
+    stem = next(name for name in source.state_dict() if name.endswith("weight"))
+    assert torch.equal(other_classes.state_dict()[stem], source.state_dict()[stem])
+    assert other_classes.get_classifier().out_features == 3
+
+    cfg.pretrained_file = str(tmp_path / "missing.pth")
+    with pytest.raises(UserError, match="missing.pth does not exist"):
+        build_model(cfg, 3)
+    cfg.pretrained_file, cfg.name = "", "no_such_model"
+    with pytest.raises(UserError, match="'no_such_model' is not a timm model"):
+        build_model(cfg, 3)
+
+
+def test_data_prep_sorts_a_flat_val_folder_and_finds_unreadable_images(tmp_path: Path) -> None:
+    source = write_image_folder(tmp_path / "kaggle", train_per_class=3, val_per_class=2, size=16, flat_val=True)
+    out = tmp_path / "prepared"
+    counts = prep.prepare(source, out, workers=1)
+    assert counts == {"classes": 3, "train": 9, "val": 6}
+    wnids = sorted(p.name for p in (out / "train").iterdir())
+    assert sorted(p.name for p in (out / "val").iterdir()) == wnids
+    first_val = out / "val" / wnids[0] / "ILSVRC2012_val_00000001.JPEG"
+    assert first_val.is_symlink() and first_val.resolve() == (source / "val" / first_val.name).resolve()
+
+    rows = (source / "LOC_val_solution.csv").read_text().splitlines()
+    (source / "LOC_val_solution.csv").write_text("\n".join(rows[:-1]) + "\n")
+    with pytest.raises(UserError, match="1 images in .* have no class in LOC_val_solution.csv"):
+        prep.prepare(source, tmp_path / "other", workers=1)
+    (source / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+
+    bad = sorted((source / "train").rglob("*.JPEG"))[1]
+    bad.write_bytes(b"not a jpeg")
+    with pytest.raises(UserError, match=f"1 unreadable image\\(s\\): {bad}"):
+        prep.prepare(source, tmp_path / "other", workers=1)
+    assert not (tmp_path / "other").exists()
+
+
+def test_layout_errors_are_user_errors(imagenet: Path, tmp_path: Path) -> None:
+    from recipes.timm_imagenet.data import check_layout
+
+    with pytest.raises(UserError, match="does not exist: run `make prep-timm_imagenet"):
+        check_layout(tmp_path / "nowhere", "train", "val")
+    mismatched = write_image_folder(tmp_path / "mismatch", train_per_class=1, val_per_class=1, size=8)
+    extra = mismatched / "val" / "n99999999"
+    extra.mkdir()
+    with pytest.raises(UserError, match="hold different classes"):
+        check_layout(mismatched, "train", "val")
