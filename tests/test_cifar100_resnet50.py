@@ -27,7 +27,16 @@ from recipes.cifar100_resnet50 import config as _schema  # noqa: F401  (register
 from recipes.cifar100_resnet50.config import DataConfig, ModelConfig
 from recipes.cifar100_resnet50.data import TrainAugmentation, crop_and_flip, load_split, random_erase, rotate
 from recipes.cifar100_resnet50.model import build_model
-from tests.conftest import REPO, assert_ok, latest_step, read_summary, recipe_env, run_recipe, start_recipe, wait_for_step
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    latest_step,
+    read_summary,
+    recipe_env,
+    run_recipe,
+    start_recipe,
+    wait_for_step,
+)
 from tests.fake_data import write_cifar100_tarball
 
 RECIPE = "cifar100_resnet50"

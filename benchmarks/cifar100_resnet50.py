@@ -1,0 +1,143 @@
+"""Training throughput: ResNet-50 on synthetic data, and the cifar100_resnet50 recipe end to end.
+
+1. ResNet-50 (timm, ImageNet shape: 224 px, 1000 classes) trained on one synthetic batch kept
+   in device memory, so only the model, the optimizer and the precision settings are measured:
+   fp32 vs bf16, channels_last on/off, ``torch.compile`` on/off. Target on one H100: 3,500
+   images/s or more in bf16 (NVIDIA's published one-A100 AMP figure is 2,470).
+2. The recipe itself (``train()`` with its default config: bf16, channels_last, on-device
+   augmentation) on data in the CIFAR-100 file format. Its images/s is the difference of two
+   runs of different lengths, so start-up, the final evaluation and the final checkpoint cancel.
+
+On a GPU everything runs full size. Without one, or with ``quick=True``, the sizes are tiny
+(timm's ``test_resnet`` at 32 px; fp32 for the recipe) so that it finishes in seconds on a CPU,
+and compiled variants are left out: compiling takes minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+
+from benchmarks.results import Result
+from common.distributed import init_distributed
+from common.entry import validate_overrides
+from common.precision import autocast
+from data_prep import cifar100_resnet50 as prep
+from data_prep.files import file_digest
+from recipes.cifar100_resnet50.train import train as train_recipe
+from tests.fake_data import write_cifar100_tarball
+
+
+@dataclass(frozen=True)
+class SyntheticSetting:
+    precision: str
+    channels_last: bool
+    compile: bool
+
+    def label(self) -> str:
+        return ", ".join([self.precision, "channels_last" if self.channels_last else "contiguous",
+                          "compile" if self.compile else "eager"])
+
+
+FULL_SETTINGS = [
+    SyntheticSetting("fp32", False, False),
+    SyntheticSetting("fp32", True, False),
+    SyntheticSetting("bf16", False, False),
+    SyntheticSetting("bf16", True, False),
+    SyntheticSetting("fp32", True, True),
+    SyntheticSetting("bf16", True, True),
+]
+QUICK_SETTINGS = [setting for setting in FULL_SETTINGS if not setting.compile]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synthetic_images_per_second(model_name: str, image_size: int, batch_size: int, setting: SyntheticSetting,
+                                steps: int, warmup: int, device: torch.device) -> float:
+    """Training images/s (forward, backward, SGD step) on one batch that stays on the device."""
+    torch.manual_seed(0)
+    model = timm.create_model(model_name, pretrained=False, num_classes=1000).to(device)
+    images = torch.randn(batch_size, 3, image_size, image_size, device=device)
+    labels = torch.randint(0, 1000, (batch_size,), device=device)
+    if setting.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        images = images.contiguous(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    forward = torch.compile(model) if setting.compile else model
+
+    def step() -> None:
+        with autocast(device, setting.precision):
+            loss = F.cross_entropy(forward(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):  # includes compilation and cuDNN autotuning
+        step()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return batch_size * steps / (time.perf_counter() - start)
+
+
+def recipe_train_seconds(data_root: Path, run_dir: Path, steps: int, overrides: list[str]) -> float:
+    """The recipe's own training wall time (``summary.json``'s ``wall_time_s``) for ``steps`` steps."""
+    cfg = validate_overrides("cifar100_resnet50", [
+        f"data.root={data_root}", f"run_dir={run_dir}", f"trainer.max_steps={steps}",
+        "logging.backend=none", "logging.progress_bar=false", "checkpoint.every_seconds=0", *overrides,
+    ])
+    train_recipe(cfg, init_distributed(cfg.device))
+    return json.loads((run_dir / "summary.json").read_text())["wall_time_s"]
+
+
+def recipe_images_per_second(short: int, long: int, batch_size: int, n_test: int, overrides: list[str]) -> float:
+    """End-to-end images/s of the recipe: (long - short) steps over the difference of their wall times."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        tarball = write_cifar100_tarball(root / prep.TARBALL, n_train=batch_size * (long + 1), n_test=n_test)
+        prep.prepare(root / "data", tarball, md5=file_digest(tarball))
+        settings = [f"trainer.batch_size={batch_size}", *overrides]
+        short_s = recipe_train_seconds(root / "data", root / "short", short, settings)
+        long_s = recipe_train_seconds(root / "data", root / "long", long, settings)
+    return batch_size * (long - short) / (long_s - short_s)
+
+
+def run(quick: bool) -> list[Result]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    full = device.type == "cuda" and not quick
+    results = []
+
+    model, size, batch = ("resnet50", 224, 256) if full else ("test_resnet", 32, 8)
+    steps, warmup = (50, 10) if full else (3, 1)
+    for setting in FULL_SETTINGS if full else QUICK_SETTINGS:
+        value = synthetic_images_per_second(model, size, batch, setting, steps, warmup, device)
+        results.append(Result(
+            benchmark=f"{model} training throughput, synthetic {size} px batch {batch} in device memory",
+            setting=f"{device.type}: {setting.label()}", value=round(value, 1), unit="images/s",
+            note="target on one H100: >= 3,500 images/s in bf16" if full else "quick: tiny model, not ResNet-50",
+        ))
+
+    recipe_model, short, long, batch, n_test, precision = (
+        ("resnet50", 20, 120, 128, 10000, "bf16") if full else ("test_resnet", 2, 6, 16, 32, "fp32")
+    )
+    overrides = [f"model.name={recipe_model}", f"trainer.precision={precision}"]
+    value = recipe_images_per_second(short, long, batch, n_test, overrides)
+    results.append(Result(
+        benchmark="cifar100_resnet50 recipe end to end (32 px, on-device augmentation)",
+        setting=f"{device.type}: {recipe_model}, batch {batch}, {precision}, channels_last, crop+flip",
+        value=round(value, 1), unit="images/s",
+        note=f"steps {short} -> {long}: difference of the two runs' training wall time",
+    ))
+    return results
