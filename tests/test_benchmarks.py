@@ -1,0 +1,79 @@
+"""The benchmark harness: collects modules, keeps the hand-written section, reports a failing module."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import benchmarks
+from benchmarks import run as harness
+from benchmarks.results import Result
+
+FAKE_MODULES = {
+    "tiny_ok": "from benchmarks.results import Result\n"
+               "def run(quick):\n    return [Result('tiny', 'quick' if quick else 'full', 1.5, 'ms', 'a note')]\n",
+    "tiny_broken": "def run(quick):\n    raise ValueError('this benchmark is broken')\n",
+    "tiny_helper": "VALUE = 1  # a module without run() is not a benchmark\n",
+}
+
+
+@pytest.fixture
+def fake_benchmarks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A second benchmarks folder on the package path, holding tiny modules."""
+    folder = tmp_path / "extra"
+    folder.mkdir()
+    for name, source in FAKE_MODULES.items():
+        (folder / f"{name}.py").write_text(source)
+    monkeypatch.setattr(benchmarks, "__path__", [*benchmarks.__path__, str(folder)])
+    yield folder
+    for name in FAKE_MODULES:
+        sys.modules.pop(f"benchmarks.{name}", None)
+
+
+def test_discovers_the_real_modules_and_not_the_harness() -> None:
+    names = harness.discover()
+    assert {"overhead", "checkpoint_stall", "resume_cost", "data_throughput"} <= set(names)
+    assert "run" not in names and "results" not in names
+
+
+def test_writes_tables_keeps_hand_written_text_and_reports_failures(fake_benchmarks: Path, tmp_path: Path) -> None:
+    output = tmp_path / "RESULTS.md"
+    output.write_text(f"# old\n{harness.HAND_START}\nH100: 4.2 ms/step (by hand)\n{harness.HAND_END}\nold tables\n")
+
+    code = harness.main(["--quick", "--only", "tiny_ok", "tiny_broken", "tiny_helper", "--output", str(output)])
+
+    text = output.read_text()
+    assert code == 1, "a failing module makes the exit code non-zero"
+    assert "H100: 4.2 ms/step (by hand)" in text
+    assert "old tables" not in text
+    assert "| quick | 1.5 | ms | a note |" in text
+    assert "ValueError: this benchmark is broken" in text
+    assert "module: tiny_helper" not in text, "a module without run() gets no section"
+    assert "- machine: CPU " in text and "torch " in text
+    assert "--only tiny_ok tiny_broken" in text
+
+
+def test_only_refreshes_the_modules_it_runs(fake_benchmarks: Path, tmp_path: Path) -> None:
+    output = tmp_path / "RESULTS.md"
+    assert harness.main(["--only", "tiny_ok", "--output", str(output)]) == 0
+    harness.main(["--only", "tiny_broken", "--output", str(output)])
+    text = output.read_text()
+    assert "| full | 1.5 | ms | a note |" in text, "the table of the module not run again is kept"
+    assert "this benchmark is broken" in text
+    assert harness.HAND_START in text and "Recorded by hand" in text
+
+
+def test_an_unknown_module_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert harness.main(["--only", "no_such_benchmark", "--output", str(tmp_path / "R.md")]) == 2
+    assert "no benchmark module no_such_benchmark" in capsys.readouterr().err
+    assert not (tmp_path / "R.md").exists()
+
+
+def test_result_values_are_formatted_for_reading() -> None:
+    assert harness.format_value(2470.4) == "2,470"
+    assert harness.format_value(12.345) == "12.3"
+    assert harness.format_value(0.01234) == "0.0123"
+    assert harness.format_value(float("nan")) == "n/a"
+    assert Result("b", "s", 1.0, "u").note == ""
