@@ -2,8 +2,9 @@
 
 A worker is one process with one intra-op thread (what PyTorch gives DataLoader workers), so
 images/s here times ``trainer.num_workers`` is what the loader can feed one GPU; divide the GPU's
-training throughput (images/s in the recipe's log) by it to size ``num_workers``. The JPEGs are synthetic (smooth gradients plus noise) at the short sides of the dataset's
-300p and 720p folders; real photos compress better and decode slightly faster. ``draft`` is
+training throughput (``train/images_per_s`` in the recipe's logs) by it to size ``num_workers``.
+The JPEGs are synthetic (smooth gradients plus noise) at the short sides of the dataset's 300p
+and 720p folders; real photos compress differently, so treat the figures as indicative. ``draft`` is
 ``data.draft_decode``: libjpeg decodes at 1/2..1/8 scale while both sides stay >= the crop size.
 """
 

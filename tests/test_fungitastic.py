@@ -75,7 +75,8 @@ def fungi_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference_run(fungi_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+def reference_run(fungi_data: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     """An uninterrupted 3-epoch run (no DataLoader workers), shared by the end-to-end and resume tests."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     result = run_recipe(RECIPE, overrides(fungi_data, run_dir, *RESUME_SETTINGS))
@@ -169,7 +170,7 @@ def test_macro_f1_top1_and_top3_match_scikit_learn_and_ignore_unknown_labels() -
     metrics = TaxonomyMetrics({"species": classes}, {}, torch.device("cpu"))
     metrics.add_rank("species", logits[:6], labels[:6])  # two batches: counts add up exactly
     metrics.add_rank("species", logits[6:], labels[6:])
-    result = metrics.compute("val", ["species"])
+    result = metrics.compute("val")
 
     known = labels != -1
     y_true, scores = labels[known].numpy(), logits[known]
@@ -191,7 +192,7 @@ def test_hierarchy_consistency_on_a_hand_made_case() -> None:
         "genus": torch.tensor([0, 0, 1, 0]),  # wrong for the second prediction
         "family": torch.tensor([0, 1, 1, 1]),  # wrong for the fourth
     })
-    result = metrics.compute("val", [])
+    result = metrics.compute("val")
     assert result["val/genus/consistent_with_species"] == 0.75
     assert result["val/family/consistent_with_species"] == 0.75
     assert result["val/hierarchy_consistency"] == 0.5

@@ -84,7 +84,8 @@ def read_metadata(path: Path) -> pd.DataFrame:
     labels = pd.to_numeric(frame[label_column], errors="coerce")
     if labels.isna().any():
         row = int(labels.isna().to_numpy().argmax())
-        raise UserError(f"{path}: {label_column} of row {row + 2} is not an integer ({frame[label_column].iloc[row]!r})")
+        value = frame[label_column].iloc[row]
+        raise UserError(f"{path}: {label_column} of row {row + 2} is not an integer ({value!r})")
     frame["label"] = labels.astype(np.int64)
     return frame
 
@@ -130,7 +131,8 @@ def build_mappings(train: pd.DataFrame, source: str, ranks: tuple[str, ...] = RA
         clash = int(species_ids[species_ids.duplicated()].iloc[0])
         names = sorted(species_ids[species_ids == clash].index)
         raise UserError(f"{source}: species {names} share the label {clash}")
-    name_to_index: dict[str, dict[str, int]] = {"species": {str(k): int(v) for k, v in species_ids.sort_values().items()}}
+    species_index = {str(name): int(label) for name, label in species_ids.sort_values().items()}
+    name_to_index: dict[str, dict[str, int]] = {"species": species_index}
     for rank in ranks:
         if rank != "species":
             names = sorted(str(name) for name in train[rank].dropna().unique())

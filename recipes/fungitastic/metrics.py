@@ -32,26 +32,32 @@ def macro_f1(true_positives: torch.Tensor, predicted: torch.Tensor, actual: torc
 
 
 class TaxonomyMetrics:
-    """Counts for one evaluation pass. ``add`` per batch (no host sync), ``compute`` once."""
+    """Counts for one evaluation pass over ``heads`` (name -> classes): ``add_*`` per batch (no
+    host sync), ``compute`` once. Every counter exists from the start, so a rank that gets no
+    sample of a small split still takes part in the reduction with zeros."""
 
-    def __init__(self, num_classes: dict[str, int], parents: dict[str, torch.Tensor], device: torch.device) -> None:
-        self.num_classes = num_classes
+    def __init__(self, heads: dict[str, int], parents: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.heads = dict(heads)
         self.parents = {rank: table.to(device) for rank, table in parents.items()}  # species -> parent per rank
         self.device = device
-        self.counts: dict[str, torch.Tensor] = {}
+        sizes = {"loss_sum": 1, "samples": 1}
+        for name, classes in self.heads.items():
+            sizes |= {f"{name}/count": 1, f"{name}/top1_hits": 1, f"{name}/top3_hits": 1,
+                      f"{name}/tp": classes, f"{name}/predicted": classes, f"{name}/actual": classes}
+        if self.parents:
+            sizes |= {"consistent": 1, "predictions": 1} | {f"{rank}/consistent": 1 for rank in self.parents}
+        self.counts = {name: torch.zeros(size, dtype=torch.float64, device=device) for name, size in sizes.items()}
 
-    def _add(self, name: str, value: torch.Tensor, size: int = 1) -> None:
-        if name not in self.counts:
-            self.counts[name] = torch.zeros(size, dtype=torch.float64, device=self.device)
+    def _add(self, name: str, value: torch.Tensor) -> None:
         self.counts[name] += value.to(torch.float64)
 
     def add_loss(self, loss_sum: torch.Tensor, count: int) -> None:
         self._add("loss_sum", loss_sum.detach().reshape(1))
-        self._add("samples", torch.tensor([float(count)], device=self.device))
+        self.counts["samples"] += count
 
     def add_rank(self, name: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Top-1/top-3 hits and per-class counts of one head; labels of -1 are not counted."""
-        classes = logits.shape[1]
+        classes = self.heads[name]
         valid = labels != UNKNOWN
         labels, logits = labels[valid], logits[valid]
         top = logits.topk(min(TOP_K, classes), dim=1).indices
@@ -60,9 +66,9 @@ class TaxonomyMetrics:
         self._add(f"{name}/count", valid.sum().reshape(1))
         self._add(f"{name}/top1_hits", hit.sum().reshape(1))
         self._add(f"{name}/top3_hits", (top == labels[:, None]).any(1).sum().reshape(1))
-        self._add(f"{name}/tp", class_counts(labels[hit], classes), classes)
-        self._add(f"{name}/predicted", class_counts(predicted, classes), classes)
-        self._add(f"{name}/actual", class_counts(labels, classes), classes)
+        self._add(f"{name}/tp", class_counts(labels[hit], classes))
+        self._add(f"{name}/predicted", class_counts(predicted, classes))
+        self._add(f"{name}/actual", class_counts(labels, classes))
 
     def add_consistency(self, predictions: dict[str, torch.Tensor]) -> None:
         """Whether each higher-rank prediction is the parent of the predicted species."""
@@ -73,7 +79,7 @@ class TaxonomyMetrics:
             consistent_all &= consistent
             self._add(f"{rank}/consistent", consistent.sum().reshape(1))
         self._add("consistent", consistent_all.sum().reshape(1))
-        self._add("predictions", torch.tensor([float(len(species))], device=self.device))
+        self.counts["predictions"] += len(species)
 
     def reduce(self) -> dict[str, torch.Tensor]:
         """The counts summed over every rank (collective: all ranks call it). One host sync."""
@@ -84,25 +90,23 @@ class TaxonomyMetrics:
         sizes = [self.counts[name].numel() for name in names]
         return dict(zip(names, flat.cpu().split(sizes)))
 
-    def compute(self, prefix: str, rank_names: list[str]) -> dict[str, float]:
-        """``{prefix}/{rank}/top1``, ``top3``, ``f1``, ``{prefix}/hierarchy_consistency``, ...; NaN
-        where nothing was counted."""
+    def compute(self, prefix: str) -> dict[str, float]:
+        """``{prefix}/loss``, ``{prefix}/samples``, ``{prefix}/{head}/top1``, ``top3``, ``f1`` and, with
+        parents, ``{prefix}/hierarchy_consistency`` and ``{prefix}/{rank}/consistent_with_species``;
+        NaN where nothing was counted."""
         totals = self.reduce()
-        out: dict[str, float] = {}
 
         def share(numerator: str, denominator: str) -> float:
-            count = float(totals[denominator][0]) if denominator in totals else 0.0
+            count = float(totals[denominator][0])
             return float(totals[numerator][0]) / count if count else float("nan")
 
-        if "loss_sum" in totals:
-            out[f"{prefix}/loss"] = share("loss_sum", "samples")
-            out[f"{prefix}/samples"] = float(totals["samples"][0])
-        for name in rank_names:
+        out = {f"{prefix}/loss": share("loss_sum", "samples"), f"{prefix}/samples": float(totals["samples"][0])}
+        for name in self.heads:
             out[f"{prefix}/{name}/top1"] = share(f"{name}/top1_hits", f"{name}/count")
             out[f"{prefix}/{name}/top3"] = share(f"{name}/top3_hits", f"{name}/count")
             out[f"{prefix}/{name}/f1"] = macro_f1(totals[f"{name}/tp"], totals[f"{name}/predicted"],
                                                   totals[f"{name}/actual"])
-        if "predictions" in totals:
+        if self.parents:
             out[f"{prefix}/hierarchy_consistency"] = share("consistent", "predictions")
             for rank in self.parents:
                 out[f"{prefix}/{rank}/consistent_with_species"] = share(f"{rank}/consistent", "predictions")

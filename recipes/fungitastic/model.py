@@ -83,7 +83,8 @@ def load_pretrained(model: TaxonomyClassifier, source: str) -> str:
     A hub model's input mean and std replace the backbone's defaults."""
     state, hub_cfg = pretrained_state(source)
     if hub_cfg is not None:
-        model.backbone.pretrained_cfg = {**model.backbone.pretrained_cfg, "mean": hub_cfg["mean"], "std": hub_cfg["std"]}
+        normalisation = {"mean": hub_cfg["mean"], "std": hub_cfg["std"]}
+        model.backbone.pretrained_cfg = {**model.backbone.pretrained_cfg, **normalisation}
     classifier = model.backbone.pretrained_cfg.get("classifier", "head")
     head = {key[len(classifier) + 1 :]: value for key, value in state.items() if key.startswith(f"{classifier}.")}
     backbone = {key: value for key, value in state.items() if not key.startswith(f"{classifier}.")}
@@ -97,7 +98,8 @@ def load_pretrained(model: TaxonomyClassifier, source: str) -> str:
         raise UserError(f"model.pretrained={source!r} does not fit {type(model.backbone).__name__}: "
                         f"{', '.join(problems[:4])}{', ...' if len(problems) > 4 else ''}")
     species_head = model.heads["species"] if "species" in model.heads else None
-    if species_head is not None and head.get("weight") is not None and head["weight"].shape == species_head.weight.shape:
+    weight = head.get("weight")
+    if species_head is not None and weight is not None and weight.shape == species_head.weight.shape:
         species_head.load_state_dict(head)
         return "backbone and species head"
     return "backbone"

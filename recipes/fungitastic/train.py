@@ -40,7 +40,7 @@ from common.sampler import ResumableDistributedSampler
 from common.summary import write_summary
 from recipes.fungitastic import config as _schema  # noqa: F401  (registers the schema)
 from recipes.fungitastic import metadata
-from recipes.fungitastic.data import FungiImages, eval_transform, load_split, normalize, train_transform
+from recipes.fungitastic.data import FungiImages, Split, eval_transform, load_split, normalize, train_transform
 from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
 from recipes.fungitastic.model import build_model, load_pretrained, optimizer_groups
 
@@ -81,8 +81,11 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, cfg: DictConfig, dist_i
     was_training = model.training
     model.eval()
     ranks = list(cfg.data.ranks)
+    heads = dict(num_classes)
+    if parents and cfg.model.derive_from_species:
+        heads |= {f"{rank}_from_species": num_classes[rank] for rank in parents}
     loader.sampler.set_epoch(0)
-    metrics = TaxonomyMetrics(num_classes, parents, dist_info.device)
+    metrics = TaxonomyMetrics(heads, parents, dist_info.device)
     for images, labels in loader:
         x = normalize(images.to(dist_info.device, non_blocking=True), *stats)
         if cfg.trainer.channels_last:
@@ -101,11 +104,10 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, cfg: DictConfig, dist_i
                     derived = species_marginals(outputs["species"], table, num_classes[rank])
                     metrics.add_rank(f"{rank}_from_species", derived, labels[:, ranks.index(rank)])
     model.train(was_training)
-    names = ranks + ([f"{rank}_from_species" for rank in parents] if parents and cfg.model.derive_from_species else [])
-    return metrics.compute(prefix, names)
+    return metrics.compute(prefix)
 
 
-def eval_loader(split, cfg: DictConfig, dist_info: DistInfo, pin_memory: bool) -> DataLoader:
+def eval_loader(split: Split, cfg: DictConfig, dist_info: DistInfo, pin_memory: bool) -> DataLoader:
     sampler = ResumableDistributedSampler(len(split.paths), dist_info.rank, dist_info.world_size, shuffle=False,
                                           drop_last=False)
     draft = cfg.data.image_size if cfg.data.draft_decode else 0
@@ -237,6 +239,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     )
 
     timer = train_state.SegmentTimer()
+    log_timer = train_state.SegmentTimer()  # images/s between two logs (saves and evaluations included)
     stop_flag = StopFlag()
     cadence = CheckpointCadence(
         cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds, cfg.checkpoint.sync_every_steps, device, stop_flag
@@ -284,9 +287,10 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                         outputs = forward(x)
                         loss = criterion(outputs, labels)
                     scaler.scale(loss * (len(labels) / group_samples)).backward()
-                hits = {f"correct_{rank}": ((outputs[rank].argmax(1) == labels[:, column])).sum()
+                hits = {f"correct_{rank}": (outputs[rank].argmax(1) == labels[:, column]).sum()
                         for column, rank in enumerate(ranks)}
-                known = {f"count_{rank}": (labels[:, column] != metadata.UNKNOWN).sum() for column, rank in enumerate(ranks)}
+                known = {f"count_{rank}": (labels[:, column] != metadata.UNKNOWN).sum()
+                         for column, rank in enumerate(ranks)}
                 train_sums.add(loss=loss.detach() * len(labels), count=len(labels), **hits, **known)
             if cfg.trainer.grad_clip_norm:
                 scaler.unscale_(optimizer)
@@ -302,10 +306,12 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
             if progress.step % cfg.trainer.log_every_steps == 0:
                 sums = train_sums.reduce()
                 train_sums.reset()
-                metrics = {"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0]}
+                metrics = {"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0],
+                           "train/images_per_s": sums.get("count", 0.0) / max(log_timer.lap(), 1e-9)}
                 metrics |= {f"train/{rank}/top1": ratio(sums, f"correct_{rank}", f"count_{rank}") for rank in ranks}
                 logger.log(metrics, progress.step)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
+                                images_per_s=f"{metrics['train/images_per_s']:.0f}")
             if progress.step >= total_steps:
                 break
             decision = cadence.after_step(progress.step)
