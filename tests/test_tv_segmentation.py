@@ -24,14 +24,20 @@ from omegaconf import OmegaConf
 from PIL import Image
 from torch import nn
 
-from common.data import make_loader
+from common.data import PerSampleSeeded, make_loader
 from common.distributed import DistInfo
 from common.errors import UserError
 from common.sampler import ResumableDistributedSampler
 from common.train_state import state_digest
 from recipes.tv_segmentation import coco
 from recipes.tv_segmentation.config import DataConfig, ModelConfig
-from recipes.tv_segmentation.data import SegmentationDataset, eval_transform, find_pairs, pad_collate
+from recipes.tv_segmentation.data import (
+    SegmentationDataset,
+    eval_transform,
+    find_pairs,
+    pad_collate,
+    train_transform,
+)
 from recipes.tv_segmentation.metrics import ConfusionMatrix, segmentation_scores
 from recipes.tv_segmentation.model import build_model
 from recipes.tv_segmentation.sync_batchnorm import AllReduceBatchNorm, convert_sync_batchnorm
@@ -184,6 +190,22 @@ def test_sync_batchnorm_on_two_gloo_ranks_equals_batchnorm_on_the_global_batch()
 
 
 # ------------------------------------------------------------------------------- evaluation
+
+
+def test_training_crops_pad_masks_with_255_and_depend_only_on_seed_epoch_and_index(voc_data: Path) -> None:
+    # Shorter side resized to 10..40 pixels, crop 48: every crop is partly padding.
+    data_cfg = DataConfig(root=str(voc_data), base_size=20, crop_size=48)
+    pairs = find_pairs(data_cfg, "train")
+    dataset = PerSampleSeeded(SegmentationDataset(pairs, train_transform(data_cfg), 21, augment=True), seed=0)
+    image, mask = dataset[(0, 1)]
+    assert image.shape == (3, 48, 48) and mask.shape == (48, 48)
+    assert (mask[-1, :] == 255).all() or (mask[:, -1] == 255).all()  # padded at the bottom or right
+    assert image[0, -1, -1].item() == pytest.approx(-0.485 / 0.229, abs=1e-4)  # image padded with 0
+    assert set(mask.unique().tolist()) <= {0, 7, 255}  # train image 1 holds class 7; nearest-neighbour mask
+
+    again_image, again_mask = dataset[(0, 1)]
+    assert torch.equal(again_image, image) and torch.equal(again_mask, mask)
+    assert any(not torch.equal(dataset[(epoch, 1)][1], mask) for epoch in range(1, 4))
 
 
 class _RedDetector(nn.Module):
