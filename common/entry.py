@@ -42,6 +42,15 @@ def fail(message: str) -> None:
     sys.exit(EXIT_USER_ERROR)
 
 
+def user_message(error: UserError) -> str:
+    """The error's message. A DataLoader re-raises a worker's error with the worker's traceback
+    in its message; the original message is then the last line, which is what the user needs."""
+    text = str(error).strip()
+    prefix = f"{type(error).__module__}.{type(error).__qualname__}: "
+    last = text.splitlines()[-1] if text else text
+    return last[len(prefix) :] if "\n" in text and last.startswith(prefix) else text
+
+
 def _first_line(error: BaseException) -> str:
     """The most specific message of a Hydra/OmegaConf error chain, on one line."""
     messages = []
@@ -97,7 +106,7 @@ def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
             try:
                 return task(cfg)
             except UserError as error:
-                fail(str(error))
+                fail(user_message(error))
             except Preempted as stop:
                 print(f"{stop}; exiting with code {EXIT_PREEMPTED} (run again to resume)", flush=True)
                 sys.exit(EXIT_PREEMPTED)

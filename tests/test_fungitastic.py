@@ -19,10 +19,11 @@ import torch
 from sklearn.metrics import f1_score
 from sklearn.utils.class_weight import compute_class_weight
 
+from common.entry import user_message
 from common.errors import UserError
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import DataConfig, ModelConfig
-from recipes.fungitastic.data import load_split
+from recipes.fungitastic.data import decode, load_split
 from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
 from recipes.fungitastic.model import build_model, load_pretrained
 from tests.conftest import (
@@ -157,6 +158,21 @@ def test_both_csv_name_forms_and_label_columns_are_read(tmp_path: Path) -> None:
         metadata.find_csv(tmp_path, "mini", "val")
     with pytest.raises(UserError, match="the image size must be one of 300p, 500p, 720p, fullsize, not '1000p'"):
         metadata.image_dir(tmp_path, "full", "val", "1000p")
+
+
+def test_a_corrupt_jpeg_is_one_line_even_when_a_dataloader_worker_reports_it(tmp_path: Path) -> None:
+    from torch._utils import ExceptionWrapper
+
+    (tmp_path / "broken.JPG").write_bytes(b"not a jpeg")
+    with pytest.raises(UserError) as raised:
+        decode(str(tmp_path / "broken.JPG"), 32)
+    expected = f"{tmp_path / 'broken.JPG'} is not a readable image"
+    assert str(raised.value).startswith(expected)
+    try:  # what the main process receives when a worker raised it
+        ExceptionWrapper((UserError, raised.value, raised.tb), where="in DataLoader worker process 0").reraise()
+    except UserError as rewrapped:
+        assert "Traceback" in str(rewrapped)
+        assert user_message(rewrapped) == str(raised.value)
 
 
 # -------------------------------------------------------------------------------------- metrics
