@@ -1,8 +1,9 @@
 """Running sums reduced exactly across ranks, and only when someone reads them.
 
 Ratios such as accuracy are computed from reduced sums (total correct / total count), never
-as an average of per-rank averages. Values stay on the device between reads, so adding to
-them does not synchronise the host with the GPU.
+as an average of per-rank averages. Tensor values stay on the device between reads, so adding
+to them does not synchronise the host with the GPU; plain integers (sample counts) are summed
+on the host, exactly, so counting costs no device work at all.
 """
 
 from __future__ import annotations
@@ -18,12 +19,18 @@ class SumMetrics:
         self.device = device
         self._dtype = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
         self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, int] = {}  # plain integers, summed exactly on the host
 
     def add(self, **values: torch.Tensor | float | int) -> None:
         """Add to the named sums; tensors are detached and summed over all their elements."""
         for name, value in values.items():
+            if isinstance(value, int):
+                self._counts[name] = self._counts.get(name, 0) + value
+                continue
             if isinstance(value, torch.Tensor):
-                value = value.detach().to(self.device, self._dtype).sum()
+                value = value.detach().to(self.device, self._dtype)
+                if value.dim():
+                    value = value.sum()
             else:
                 value = torch.tensor(float(value), device=self.device, dtype=self._dtype)
             if name in self._sums:
@@ -31,24 +38,35 @@ class SumMetrics:
             else:
                 self._sums[name] = value.clone()
 
+    def _totals(self, names: list[str]) -> torch.Tensor:
+        """The sums of ``names`` as one tensor on the device (this rank only)."""
+        counts = torch.tensor([float(self._counts.get(name, 0)) for name in names], dtype=self._dtype)
+        if not self._sums:
+            return counts.to(self.device)
+        zero = torch.zeros((), device=self.device, dtype=self._dtype)
+        return torch.stack([self._sums.get(name, zero) for name in names]) + counts.to(self.device)
+
     def reduce(self) -> dict[str, float]:
         """The sums over every rank (a collective: all ranks must call it). One host sync."""
-        if not self._sums:
+        names = sorted(set(self._sums) | set(self._counts))
+        if not names:
             return {}
-        names = sorted(self._sums)
-        stacked = torch.stack([self._sums[name] for name in names])
+        stacked = self._totals(names)
         if dist.is_initialized():
             dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
         return dict(zip(names, stacked.tolist()))
 
     def reset(self) -> None:
         self._sums.clear()
+        self._counts.clear()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: value.detach().cpu() for name, value in self._sums.items()}
+        names = sorted(set(self._sums) | set(self._counts))
+        return dict(zip(names, self._totals(names).detach().cpu().unbind())) if names else {}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         self._sums = {name: value.to(self.device, self._dtype) for name, value in state.items()}
+        self._counts = {}
 
 
 def ratio(sums: Mapping[str, float], numerator: str, denominator: str) -> float:
