@@ -186,6 +186,11 @@ def test_training_augmentation_depends_only_on_its_keys_and_leaves_global_rngs_a
     assert x1.shape == (8, 3, 32, 32) and y1.shape == (8, 100)
     torch.testing.assert_close(y1.sum(1), torch.ones(8))
 
+    # An odd batch (an epoch's last micro-batch can be one): the odd sample keeps its own smoothed label.
+    x_odd, y_odd = augmentation(images[:7], labels[:7], seeded_generator(torch.device("cpu"), 0), 0, 1, 0, 0)
+    assert x_odd.shape == (7, 3, 32, 32) and y_odd.shape == (7, 100)
+    assert y_odd[6, 6] == pytest.approx(0.9 + 0.1 / 100) and y_odd[6].sum() == pytest.approx(1.0)
+
 
 # ---- model, presets, schedule -------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from timm.data import Mixup
+from timm.data.mixup import mixup_target
 from torchvision.transforms import v2
 
 from common import cifar100
@@ -104,6 +105,8 @@ class TrainAugmentation:
 
     def __init__(self, cfg: DataConfig, label_smoothing: float, num_classes: int = cifar100.NUM_CLASSES) -> None:
         self.cfg = cfg
+        self.num_classes = num_classes
+        self.label_smoothing = label_smoothing
         self.policy: v2.Transform | None = None
         if cfg.auto_augment == "trivialaugment":
             self.policy = v2.TrivialAugmentWide()
@@ -135,5 +138,10 @@ class TrainAugmentation:
             images = random_erase(images, cfg.random_erasing, generator)
         if self.mixup is None:
             return images, labels
+        paired = len(images) - len(images) % 2  # Mixup pairs samples; an odd one out stays unmixed
         with seeded_global_rng(*rng_keys):
-            return self.mixup(images, labels)
+            mixed, targets = self.mixup(images[:paired], labels[:paired])
+        if paired == len(images):
+            return mixed, targets
+        odd_target = mixup_target(labels[paired:], self.num_classes, smoothing=self.label_smoothing)
+        return torch.cat([mixed, images[paired:]]), torch.cat([targets, odd_target])

@@ -84,9 +84,6 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     train_images, train_labels = (t.to(device) for t in load_split(cfg.data.root, "train"))
     test_images, test_labels = (t.to(device) for t in load_split(cfg.data.root, "test"))
     augmentation = TrainAugmentation(cfg.data, cfg.optim.label_smoothing)
-    if augmentation.soft_targets and cfg.trainer.batch_size % 2:
-        raise UserError(f"mixup/cutmix pair each batch with its reverse: trainer.batch_size="
-                        f"{cfg.trainer.batch_size} must be even")
 
     # ---- model (and its EMA) -------------------------------------------------------------------
     model = build_model(cfg.model).to(device)
