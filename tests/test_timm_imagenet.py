@@ -119,15 +119,20 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_exact(imagenet: Path, tmp_p
 
 def test_top1_top5_over_two_ranks_equal_one_rank(imagenet: Path, tmp_path: Path) -> None:
     """epochs=0 evaluates the seeded initial weights: 15 val images split 8 + 7 over 2 gloo ranks
-    must give exactly the single-process counts."""
-    metrics = {}
+    must give exactly the single-process counts. The 2-rank run also stages its data (one copy,
+    made by local rank 0 while rank 1 waits)."""
+    metrics, stage = {}, tmp_path / "node_local"
     for nproc in (1, 2):
         run_dir = tmp_path / f"ranks{nproc}"
+        staging = [f"data.stage_to_local={nproc == 2}", f"data.stage_dir={stage}"]
         assert_ok(run_recipe(RECIPE, overrides(imagenet, run_dir, "trainer.epochs=0", "model.name=test_vit",
-                                               "+model.kwargs.img_size=32", "trainer.batch_size=4"), nproc=nproc))
+                                               "+model.kwargs.img_size=32", "trainer.batch_size=4", *staging),
+                             nproc=nproc))
         summary = read_summary(run_dir)
         assert summary["world_size"] == nproc
         metrics[nproc] = summary["metrics"]
+    staged = list(stage.iterdir())
+    assert len(staged) == 1 and (staged[0] / ".staging-complete").is_file()
     assert metrics[1]["eval/top1"] == metrics[2]["eval/top1"]
     assert metrics[1]["eval/top5"] == metrics[2]["eval/top5"]
     assert metrics[1]["eval/loss"] == pytest.approx(metrics[2]["eval/loss"], rel=1e-6)
