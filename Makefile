@@ -52,6 +52,12 @@ bench: $(STAMP) ## Measure loop overhead, checkpoint stall and throughput; write
 new-recipe: $(STAMP) ## Copy a recipe with its config and tests: NAME=x [FROM=fashion_mnist]
 	$(PY) -m tools.new_recipe --name "$(NAME)" --from "$(or $(FROM),fashion_mnist)"
 
+doctor: $(STAMP) ## Check this machine as cluster/launch.sh would: Python env, GPUs, configs, data, TCP, all-reduce
+	$(PY) -m cluster.doctor $(ARGS)
+
+isc-rehearse: $(STAMP) ## Rehearse ISC rapid cycling locally: RECIPE=r [CYCLES=5] [CYCLE_S=90] [ARGS="--data DIR -- overrides"]
+	$(PY) -m cluster.isc.rehearse "cluster/isc/$(RECIPE).isc" --cycles "$(or $(CYCLES),5)" --cycle-seconds "$(or $(CYCLE_S),90)" $(ARGS)
+
 clean: ## Remove runs/, outputs/ and caches (keeps data/ and .venv)
 	rm -rf runs outputs multirun .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""Strong Compute ISC experiment files and the local rapid-cycling rehearsal."""

@@ -1,0 +1,231 @@
+"""cluster/: the real sbatch files on a real one-node SLURM, the torchrun launcher, the scripts.
+
+The SLURM tests start slurmctld + slurmd on 127.0.0.1 (Debian's slurm-wlm and munge, as
+root); without them they are skipped, and with REQUIRE_SLURM=1 (CI) they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import slurm_cluster as sc
+from tests.fake_data import write_fashion_mnist
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=32", "logging.backend=none",
+        "logging.progress_bar=false"]
+SHELL_SCRIPTS = sorted(
+    path for pattern in ("*.sh", "*.sbatch", "*.pbs") for path in (REPO / "cluster").rglob(pattern)
+)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without ISC or torchrun variables, one thread per process."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("CHECKPOINT_ARTIFACT_PATH", "LOSSY_ARTIFACT_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                          "MASTER_ADDR", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHON": sys.executable, **extra})
+    return env
+
+
+def latest_step(checkpoints: Path) -> int:
+    try:
+        return int((checkpoints / "latest").read_text().strip().split("_")[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- SLURM: the real fashion_mnist sbatch file ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory: pytest.TempPathFactory):
+    sc.require_slurm_or_skip()
+    with sc.running_local_slurm(tmp_path_factory.mktemp("slurm")) as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def slurm_runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two jobs with the same config, side by side: one left alone, one pre-empted with USR1."""
+    tmp = tmp_path_factory.mktemp("sbatch")
+    data = write_fashion_mnist(tmp / "data")
+    # 4 epochs of 8 steps; a checkpoint every step so the pre-emption lands mid-run.
+    overrides = [f"data.root={data}", "trainer.epochs=4", "checkpoint.every_steps=1", *TINY]
+    # Submit-time options replace the file's site lines: no GPUs and one CPU on this cluster.
+    options = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=10"]
+    jobs = {}
+    for name in ("alone", "preempted"):
+        run_dir = tmp / name
+        # The job left alone also stages its data to "node-local" disk first.
+        staging = {"STAGE_DATA": "1", "STAGE_DIR": str(tmp / "node-local")} if name == "alone" else {}
+        job = sc.sbatch(REPO / "cluster" / "slurm" / "fashion_mnist.sbatch",
+                        args=[*options, f"--output={tmp}/{name}-%j.out"], env=clean_env(**slurm_env, **staging),
+                        cwd=REPO, script_args=[*overrides, f"run_dir={run_dir}"])
+        jobs[name] = {"job": job, "run_dir": run_dir, "log": tmp / f"{name}-{job}.out", "tmp": tmp}
+
+    preempted = jobs["preempted"]
+    env = clean_env(**slurm_env)
+    deadline = time.monotonic() + 240
+    while latest_step(preempted["run_dir"] / "checkpoints") < 2:
+        assert sc.job_state(preempted["job"], env) in ("PENDING", "RUNNING"), preempted["log"].read_text()
+        assert time.monotonic() < deadline, "no checkpoint at step 2 within 240 s"
+        time.sleep(0.2)
+    preempted["signalled_at_step"] = latest_step(preempted["run_dir"] / "checkpoints")
+    sc.signal_batch(preempted["job"], "USR1", env=env)
+
+    for run in jobs.values():
+        run["state"] = sc.wait_for_job(run["job"], timeout_s=360, env=env)
+        run["restarts"] = sc.job_restart_count(run["job"], env=env)
+        run["output"] = run["log"].read_text()
+    return jobs
+
+
+@pytest.mark.slurm
+def test_fashion_mnist_sbatch_runs_to_completion(slurm_runs: dict):
+    alone = slurm_runs["alone"]
+    assert alone["state"] == "COMPLETED", alone["output"]
+    assert alone["restarts"] == 0
+    result = summary(alone["run_dir"])
+    assert result["steps"] == 32 and result["epochs"] == 4 and result["resumes"] == 0
+    assert "training finished" in alone["output"]
+    node_local = alone["tmp"] / "node-local"
+    assert f"staging {alone['tmp'] / 'data'} to node-local {node_local}/recipes-" in alone["output"]
+    assert node_local.is_dir() and not any(node_local.iterdir())  # the copy was removed at the end
+
+
+@pytest.mark.slurm
+def test_preempted_sbatch_requeues_resumes_and_matches_uninterrupted_digest(slurm_runs: dict):
+    preempted, alone = slurm_runs["preempted"], slurm_runs["alone"]
+    assert preempted["state"] == "COMPLETED", preempted["output"]
+    assert preempted["restarts"] == 1, preempted["output"]
+    output = preempted["output"]
+    # One log, appended to across the requeue: checkpoint and stop, requeue, resume, finish.
+    first, stop = output.index("start (restart 0)"), output.index("requeueing")
+    second, resumed = output.index("start (restart 1)"), output.index("resumed from")
+    assert first < stop < second < resumed < output.index("training finished"), output
+    assert "received SIGUSR1: checkpoint saved" in output
+    result = summary(preempted["run_dir"])
+    assert result["resumes"] == 1 and result["steps"] == 32
+    assert preempted["signalled_at_step"] < 32
+    assert result["model_digest"] == summary(alone["run_dir"])["model_digest"]
+
+
+# ---- cluster/launch.sh: two simulated nodes on this machine ---------------------------------
+
+def launch(args: list[str], log_dir: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(REPO / "cluster" / "launch.sh"), *args], cwd=REPO,
+                            env=clean_env(LOG_DIR=str(log_dir), NPROC_PER_NODE="1", BACKEND="gloo", **env),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_launch_two_nodes_with_c10d_rendezvous_trains_to_completion(tmp_path: Path):
+    data = write_fashion_mnist(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    port = str(free_port())
+    overrides = ["--", f"data.root={data}", f"run_dir={run_dir}", "trainer.max_steps=6", *TINY]
+    nodes = [launch(["fashion_mnist", "2", str(rank), "127.0.0.1", port, *overrides], tmp_path / "logs",
+                    CONNECT_TIMEOUT="120") for rank in (0, 1)]
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output
+    assert "preflight: master port: port" in outputs[0]
+    assert "preflight: master reachable" in outputs[1]
+    assert "all-reduce (gloo) across 2 ranks: ok" in outputs[0]
+    result = summary(run_dir)
+    assert result["world_size"] == 2 and result["steps"] == 6
+    for rank in (0, 1):
+        latest = tmp_path / "logs" / f"latest_node{rank}.log"
+        assert latest.is_symlink() and latest.resolve().name.endswith(f"-node{rank}.log")
+        assert "preflight: config: fashion_mnist config resolves" in latest.read_text()
+
+
+def test_launch_worker_with_closed_master_port_fails_with_one_clear_line(tmp_path: Path):
+    port = str(free_port())  # nobody listens on it
+    node = launch(["fashion_mnist", "2", "1", "127.0.0.1", port, "--", *TINY], tmp_path / "logs",
+                  CONNECT_TIMEOUT="2")
+    output = node.communicate(timeout=120)[0]
+
+    assert node.returncode == 1, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot reach the master at 127.0.0.1:{port} over TCP within 2 s"), output
+    assert "Traceback" not in output
+
+
+def test_launch_rejects_a_bad_override_before_torchrun(tmp_path: Path):
+    node = launch(["fashion_mnist", "--", "trainer.no_such_key=1"], tmp_path / "logs")
+    output = node.communicate(timeout=120)[0]
+
+    assert node.returncode == 1
+    assert output.strip().splitlines()[-1].startswith("error: config fashion_mnist:"), output
+    assert "no_such_key" in output and "torch.distributed" not in output
+
+
+# ---- the scripts and the submitit launcher config -------------------------------------------
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_shell_script_passes_bash_n_and_shellcheck(script: Path):
+    syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    if shutil.which("shellcheck") is None:
+        if os.environ.get("REQUIRE_SLURM") == "1":
+            pytest.fail("shellcheck not installed (apt-get install shellcheck)")
+        pytest.skip("shellcheck not installed")
+    lint = subprocess.run(["shellcheck", "-x", "-s", "bash", str(script.relative_to(REPO))], cwd=REPO,
+                          capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+
+
+def test_every_recipe_has_an_sbatch_file_that_runs_it():
+    recipes = sorted(p.parent.name for p in (REPO / "recipes").glob("*/train.py"))
+    assert "fashion_mnist" in recipes
+    for recipe in recipes:
+        text = (REPO / "cluster" / "slurm" / f"{recipe}.sbatch").read_text()
+        assert f"-m recipes.{recipe}.train" in text
+        for option in ("--requeue", "--signal=B:USR1@", "--open-mode=append", "--gpus-per-node="):
+            assert f"#SBATCH {option}" in text, (recipe, option)
+
+
+def test_multinode_sbatch_uses_the_head_node_for_c10d_rendezvous():
+    text = (REPO / "cluster" / "slurm" / "multinode.sbatch").read_text()
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
+    assert "srun" in text and '--nnodes "$SLURM_NNODES"' in text
+    assert '--rdzv-backend c10d --rdzv-endpoint "$head_node:$port"' in text
+
+
+def test_hydra_slurm_launcher_requeues_and_keeps_run_dirs_deterministic():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import recipes.fashion_mnist.config  # noqa: F401  (registers the schema)
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("fashion_mnist", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert launcher.partition == "gpu"
+    assert launcher.max_num_timeout > 0 and launcher.signal_delay_s > 0
+    assert launcher.additional_parameters.requeue is True
+    sweep = OmegaConf.to_container(cfg.hydra.sweep, resolve=False)  # a requeued job gets the same directory
+    assert sweep == {"dir": "runs/${recipe}/${name}", "subdir": "${hydra.job.override_dirname}"}
