@@ -206,6 +206,18 @@ class CheckpointManager:
                     stale.unlink(missing_ok=True)
         distributed.barrier()
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> CheckpointManager:
+        """From a recipe's ``checkpoint`` node (:class:`common.config.CheckpointConfig`)."""
+        return cls(
+            cfg.dir,
+            keep_last=cfg.keep_last,
+            keep_best=cfg.keep_best,
+            best_metric=cfg.best_metric,
+            best_mode=cfg.best_mode,
+            async_save=cfg.async_save,
+        )
+
     # ------------------------------------------------------------------ saving
 
     def save(

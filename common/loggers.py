@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 
@@ -54,6 +55,21 @@ class RunLogger:
             )
         elif self.backend != "none":
             raise ValueError(f"logging backend must be tensorboard, wandb or none, not {backend!r}")
+
+    @classmethod
+    def from_config(cls, cfg: Any, is_main: bool, resume_step: int = 0) -> RunLogger:
+        """From a recipe's whole config (its ``logging`` node, name and recipe)."""
+        return cls(
+            cfg.logging.backend,
+            cfg.logging.dir,
+            is_main,
+            run_name=f"{cfg.recipe}/{cfg.name}",
+            config=OmegaConf.to_container(cfg, resolve=True),
+            resume_step=resume_step,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_mode=cfg.logging.wandb_mode,
+            progress_bar=cfg.logging.progress_bar,
+        )
 
     def console(self, message: str) -> None:
         if self.is_main:

@@ -15,9 +15,12 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from common.errors import Preempted
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -67,6 +70,20 @@ class CheckpointCadence:
         self.device = device if not self.distributed or dist.get_backend() == "nccl" else torch.device("cpu")
         self.stop_flag = stop_flag
         self.last_save = time.monotonic()
+
+    @classmethod
+    def from_config(cls, cfg: Any, device: torch.device) -> CheckpointCadence:
+        """From a recipe's ``checkpoint`` node; installs the SIGTERM/SIGUSR1 handlers."""
+        return cls(cfg.every_steps, cfg.every_seconds, cfg.sync_every_steps, device, StopFlag())
+
+    def preempted(self, step: int) -> Preempted:
+        """The exception a recipe raises once the checkpoint for a stop decision is written."""
+        received = self.stop_flag.signal_name or "a stop signal on another rank"
+        return Preempted(f"received {received}: checkpoint saved at step {step}")
+
+    def close(self) -> None:
+        """Give SIGTERM/SIGUSR1 back their previous handlers."""
+        self.stop_flag.restore()
 
     def saved(self) -> None:
         self.last_save = time.monotonic()

@@ -153,8 +153,6 @@ def write_coco(root: Path, n_extra_train: int = 8, seed: int = 0) -> Path:
     Then ``n_extra_train`` images with one large box each. Val: one person image and one image
     without annotations (kept: val keeps every image).
     """
-    from PIL import Image
-
     rng = np.random.default_rng(seed)
     height, width = 40, 48
     categories = [{"id": i, "name": n, "supercategory": "x"}

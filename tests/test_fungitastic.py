@@ -129,13 +129,13 @@ def test_prep_reports_a_missing_image_and_fails_unless_told_to_skip(tmp_path: Pa
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
-    assert f"1 of 9 images listed in FungiTastic-Mini-Val.csv are missing from" in lines[0]
+    assert "1 of 9 images listed in FungiTastic-Mini-Val.csv are missing from" in lines[0]
     assert gone in lines[0]
     assert (tmp_path / "data" / "prepared" / "FungiTastic-Mini" / metadata.MAPPINGS_FILE).is_file()
 
     skipped = prep(download, tmp_path / "data", "--skip-missing")
     assert_ok(skipped)
-    assert f"warning: 1 of 9 images listed in FungiTastic-Mini-Val.csv are missing" in skipped.stdout
+    assert "warning: 1 of 9 images listed in FungiTastic-Mini-Val.csv are missing" in skipped.stdout
 
     mappings = metadata.load_mappings(tmp_path / "data" / "prepared", "mini")
     cfg = DataConfig(root=str(tmp_path / "data"), prepared_dir=str(tmp_path / "data" / "prepared"))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from common import train_state
@@ -24,12 +24,11 @@ from common.checkpoint import CheckpointManager
 from common.data import seeded_generator
 from common.distributed import DistInfo, init_distributed, shutdown_distributed
 from common.entry import recipe_main
-from common.errors import Preempted
 from common.loggers import RunLogger
 from common.metrics import SumMetrics, ratio
 from common.optim import accumulation_steps, param_groups, scaled_lr, warmup_cosine
 from common.precision import autocast, grad_scaler
-from common.preemption import CheckpointCadence, StopFlag
+from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
 from common.summary import write_summary
 from recipes.fashion_mnist import config as _schema  # noqa: F401  (registers the schema)
@@ -110,14 +109,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     train_sums = SumMetrics(device)
 
     # ---- resume: the newest valid checkpoint in the checkpoint directory, if any ------------
-    checkpoints = CheckpointManager(
-        cfg.checkpoint.dir,
-        keep_last=cfg.checkpoint.keep_last,
-        keep_best=cfg.checkpoint.keep_best,
-        best_metric=cfg.checkpoint.best_metric,
-        best_mode=cfg.checkpoint.best_mode,
-        async_save=cfg.checkpoint.async_save,
-    )
+    checkpoints = CheckpointManager.from_config(cfg.checkpoint)
     progress = train_state.Progress()
     loaded = checkpoints.load_latest(map_location=device) if cfg.checkpoint.resume else None
     if loaded is not None:
@@ -125,17 +117,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     else:
         sampler.set_epoch(0)
 
-    logger = RunLogger(
-        cfg.logging.backend,
-        cfg.logging.dir,
-        dist_info.is_main,
-        run_name=f"{cfg.recipe}/{cfg.name}",
-        config=OmegaConf.to_container(cfg, resolve=True),
-        resume_step=progress.step,
-        wandb_project=cfg.logging.wandb_project,
-        wandb_mode=cfg.logging.wandb_mode,
-        progress_bar=cfg.logging.progress_bar,
-    )
+    logger = RunLogger.from_config(cfg, dist_info.is_main, resume_step=progress.step)
     if loaded is not None:
         logger.console(f"resumed from {loaded.path} (step {progress.step}, epoch {progress.epoch})")
     logger.console(
@@ -145,10 +127,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     )
 
     timer = train_state.SegmentTimer()
-    stop_flag = StopFlag()
-    cadence = CheckpointCadence(
-        cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds, cfg.checkpoint.sync_every_steps, device, stop_flag
-    )
+    cadence = CheckpointCadence.from_config(cfg.checkpoint, device)
 
     def save(metrics: dict[str, float] | None = None) -> None:
         progress.train_seconds += timer.lap()
@@ -221,8 +200,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                 bar.close()
                 checkpoints.wait()
                 logger.close()
-                raise Preempted(f"received {stop_flag.signal_name or 'a stop signal on another rank'}: "
-                                f"checkpoint saved at step {progress.step}")
+                raise cadence.preempted(progress.step)
         bar.close()
 
         if len(sampler) == 0:  # every sample of this epoch is done
@@ -241,7 +219,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         save(eval_metrics)
     checkpoints.wait()
     logger.close()
-    stop_flag.restore()
+    cadence.close()
     if dist_info.is_main:
         summary = write_summary(
             cfg.run_dir,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -30,12 +30,12 @@ from common.checkpoint import CheckpointManager
 from common.data import PerSampleSeeded, make_loader
 from common.distributed import DistInfo, init_distributed, shutdown_distributed
 from common.entry import recipe_main
-from common.errors import Preempted, UserError
+from common.errors import UserError
 from common.loggers import RunLogger
 from common.metrics import SumMetrics, ratio
 from common.optim import accumulation_steps, scaled_lr, warmup_cosine
 from common.precision import autocast, grad_scaler
-from common.preemption import CheckpointCadence, StopFlag
+from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
 from common.summary import write_summary
 from recipes.fungitastic import config as _schema  # noqa: F401  (registers the schema)
@@ -194,14 +194,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     train_sums = SumMetrics(device)
 
     # ---- resume: the newest valid checkpoint in the checkpoint directory, if any ------------
-    checkpoints = CheckpointManager(
-        cfg.checkpoint.dir,
-        keep_last=cfg.checkpoint.keep_last,
-        keep_best=cfg.checkpoint.keep_best,
-        best_metric=cfg.checkpoint.best_metric,
-        best_mode=cfg.checkpoint.best_mode,
-        async_save=cfg.checkpoint.async_save,
-    )
+    checkpoints = CheckpointManager.from_config(cfg.checkpoint)
     progress = train_state.Progress()
     loaded = checkpoints.load_latest(map_location=device) if cfg.checkpoint.resume else None
     if loaded is not None:
@@ -209,17 +202,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     else:
         sampler.set_epoch(0)
 
-    logger = RunLogger(
-        cfg.logging.backend,
-        cfg.logging.dir,
-        dist_info.is_main,
-        run_name=f"{cfg.recipe}/{cfg.name}",
-        config=OmegaConf.to_container(cfg, resolve=True),
-        resume_step=progress.step,
-        wandb_project=cfg.logging.wandb_project,
-        wandb_mode=cfg.logging.wandb_mode,
-        progress_bar=cfg.logging.progress_bar,
-    )
+    logger = RunLogger.from_config(cfg, dist_info.is_main, resume_step=progress.step)
     if loaded is not None:
         logger.console(f"resumed from {loaded.path} (step {progress.step}, epoch {progress.epoch})")
     for split in splits.values():
@@ -240,10 +223,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
 
     timer = train_state.SegmentTimer()
     log_timer = train_state.SegmentTimer()  # images/s between two logs (saves and evaluations included)
-    stop_flag = StopFlag()
-    cadence = CheckpointCadence(
-        cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds, cfg.checkpoint.sync_every_steps, device, stop_flag
-    )
+    cadence = CheckpointCadence.from_config(cfg.checkpoint, device)
 
     def save(metrics: dict[str, float] | None = None) -> None:
         progress.train_seconds += timer.lap()
@@ -321,8 +301,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                 bar.close()
                 checkpoints.wait()
                 logger.close()
-                raise Preempted(f"received {stop_flag.signal_name or 'a stop signal on another rank'}: "
-                                f"checkpoint saved at step {progress.step}")
+                raise cadence.preempted(progress.step)
         bar.close()
 
         if len(sampler) == 0:  # every sample of this epoch is done
@@ -343,7 +322,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         save(eval_metrics)
     checkpoints.wait()
     logger.close()
-    stop_flag.restore()
+    cadence.close()
     if dist_info.is_main:
         best_file = Path(cfg.checkpoint.dir) / "best"
         summary = write_summary(
