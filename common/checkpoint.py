@@ -113,9 +113,20 @@ class HostStaging:
         self._buffers: dict[tuple, torch.Tensor] = {}
 
     def snapshot(self, obj: Any) -> Any:
-        """A copy of ``obj`` with every tensor in host memory, complete when this returns."""
+        """A copy of ``obj`` with every tensor in host memory, complete when this returns.
+
+        Host-to-host copies run on this thread alone: a state holds hundreds of tensors, and
+        when the other cores are busy (with DataLoader workers, say) waking the intra-op thread
+        pool for each one costs far more than the parallel copy saves (ResNet-50 + momentum on
+        2 busy cores: about 0.1 s on one thread, 0.2-0.3 s on two).
+        """
         devices: set[torch.device] = set()
-        copied = self._copy(obj, (), devices)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            copied = self._copy(obj, (), devices)
+        finally:
+            torch.set_num_threads(threads)
         for device in devices:
             torch.cuda.synchronize(device)
         return copied
