@@ -2,8 +2,9 @@
 
 The recipe runs for real (``recipes.fashion_mnist.train.train`` with its default config, in this
 process), so its steps include everything the shared layer adds: the resumable sampler, the
-per-step seeded generator, SumMetrics, the progress bar, TensorBoard logging every 50 steps and
-the checkpoint cadence checks (the wall-clock check runs every step; no checkpoint falls inside
+per-step seeded generator, SumMetrics, the progress bar, TensorBoard logging (every ``SEGMENT``
+steps, 5x as often as the default, so each segment holds one logging step) and the checkpoint
+cadence checks (the wall-clock check runs every step; no checkpoint falls inside
 a timed window). A probe in the cadence check pauses the recipe every ``SEGMENT`` steps and runs
 ``SEGMENT`` steps of a bare loop (same architecture and initial weights, same optimizer and LR
 schedule, the same batches, normalised the same way), so recipe and bare segments interleave
@@ -24,6 +25,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
 
 from benchmarks.results import Result
 from common.data import seeded_generator
@@ -40,7 +42,7 @@ from recipes.fashion_mnist.model import build_model
 from tests.fake_data import write_fashion_mnist
 
 BENCHMARK = "loop overhead (fashion_mnist)"
-SEGMENT = 10  # steps per timed segment (logging every SEGMENT steps, so one logging step each)
+SEGMENT = 10  # steps per timed segment
 WARMUP_STEPS = 5
 
 
@@ -52,7 +54,7 @@ def synchronize(device: torch.device) -> None:
 class BareLoop:
     """What a researcher would write by hand: index, normalise, forward, backward, step."""
 
-    def __init__(self, cfg, device: torch.device) -> None:
+    def __init__(self, cfg: DictConfig, device: torch.device) -> None:
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model).to(device).to(memory_format=torch.channels_last)
         self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr)
@@ -62,7 +64,7 @@ class BareLoop:
                                        steps_per_epoch * cfg.trainer.epochs, cfg.optim.min_lr_ratio)
         order = ResumableDistributedSampler(len(self.images), seed=cfg.seed).global_order(0).to(device)
         self.batches = order.split(cfg.trainer.batch_size)
-        self.next_batch = WARMUP_STEPS
+        self.next_batch = 0  # step k of the recipe trains on batch k - 1 of this order too
         self.model.train()
 
     def steps(self, count: int) -> None:
