@@ -248,7 +248,7 @@ def model_samples_per_second(model: torch.nn.Module, x: torch.Tensor, steps: int
     return steps * len(x) / (time.perf_counter() - start)
 
 
-def verdict(recipe: str, per_worker: float, workers: int) -> tuple[float, str]:
+def verdict(recipe: str, per_worker: float, workers: int) -> tuple[int, str]:
     """How many workers like this one the GPU reference needs, and what the default gives."""
     reference = GPU_REFERENCES[recipe]
     needed = reference.samples_per_s / per_worker
