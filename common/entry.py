@@ -82,6 +82,11 @@ def _split_argv(argv: list[str], config_name: str) -> tuple[str, list[str], bool
     return config_name, overrides, sweep
 
 
+def _prints_job_config(argv: list[str]) -> bool:
+    """``--cfg job`` (the job's config only: Hydra's own config cannot be resolved outside a run)."""
+    return any(flag in ("--cfg", "-c") and value == "job" for flag, value in zip(argv, argv[1:]))
+
+
 def validate_overrides(config_name: str, overrides: list[str]) -> DictConfig:
     """Compose and resolve the config; a bad override is a one-line :class:`UserError`."""
     try:
@@ -112,7 +117,7 @@ def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
                 sys.exit(EXIT_PREEMPTED)
 
         def main() -> None:
-            if {"--cfg", "-c"} & set(sys.argv) and "--resolve" not in sys.argv:
+            if _prints_job_config(sys.argv) and "--resolve" not in sys.argv:
                 sys.argv.append("--resolve")  # print the config as the run will see it
             name, overrides, sweep = _split_argv(sys.argv[1:], config_name)
             if not sweep:
