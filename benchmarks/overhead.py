@@ -187,6 +187,8 @@ def run(quick: bool) -> list[Result]:
                 Result(BENCHMARK, f"{label}: overhead", statistics.median(overheads), "%",
                        f"median of recipe/bare - 1 over {len(overheads)} interleaved pairs of {SEGMENT}-step "
                        f"segments (quartiles {quartiles(overheads)}); target <= 3"),
+                Result(BENCHMARK, f"{label}: overhead, fastest segments", 100 * (min(recipe_ms) / min(bare_ms) - 1),
+                       "%", "fastest recipe segment / fastest bare segment - 1: a busy machine only adds time"),
             ]
         bookkeeping = bookkeeping_us_per_step(torch.device(device), 200 if quick else 2000, batch_size)
         results.append(Result(
