@@ -185,8 +185,8 @@ def _sync_batchnorm_rank(rank: int, world_size: int, port: int) -> None:
 
 
 def test_sync_batchnorm_on_two_gloo_ranks_equals_batchnorm_on_the_global_batch() -> None:
-    # fork: the children start at once with everything imported (spawn would re-import it all)
-    mp.start_processes(_sync_batchnorm_rank, args=(2, _free_port()), nprocs=2, join=True, start_method="fork")
+    # spawn, not fork: a child forked after earlier tests started torch's OpenMP threads deadlocks
+    mp.spawn(_sync_batchnorm_rank, args=(2, _free_port()), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------------------- evaluation
