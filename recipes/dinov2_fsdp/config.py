@@ -1,0 +1,80 @@
+"""The dinov2_fsdp config schema; ``conf/dinov2_fsdp.yaml`` sets its values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hydra.core.config_store import ConfigStore
+
+from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
+
+
+@dataclass
+class DataConfig:
+    root: str = "data/cifar100"  # holds cifar-100-python/, written by `make prep-cifar100_resnet50`
+    random_crop_padding: int = 4  # pixels of padding for random 32x32 crops (before upsampling); 0 = none
+    horizontal_flip: bool = True
+
+
+class Library(str, Enum):
+    transformers = "transformers"
+    timm = "timm"
+
+
+class Features(str, Enum):
+    cls = "cls"  # the CLS token
+    cls_patch_mean = "cls_patch_mean"  # CLS token concatenated with the mean of the patch tokens
+
+
+@dataclass
+class ModelConfig:
+    library: Library = Library.transformers
+    # transformers: a hub name (facebook/dinov2-{small,base,large,giant}) or a local directory written
+    # by save_pretrained; timm: a model name such as vit_base_patch14_dinov2.
+    name: str = "facebook/dinov2-small"
+    pretrained: bool = True  # false: the architecture only, randomly initialised
+    weights: str = ""  # timm only: a local weights file to load instead of the hub's
+    image_size: int = 224  # CIFAR images are upsampled to this (a multiple of the patch size)
+    features: Features = Features.cls
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+
+
+@dataclass
+class FSDPConfig:
+    """Used when there are several ranks; one rank trains the plain module under autocast."""
+
+    reshard_after_forward: bool = True  # free the gathered weights after forward (less memory, more traffic)
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in host memory (CUDA)
+
+
+@dataclass
+class StagesConfig:
+    probe_epochs: int = 2  # the first epochs train only the head on the frozen backbone
+    probe_warmup_epochs: float = 0.0
+    finetune_lr_ratio: float = 0.125  # the fine-tune LR is this fraction of the probe LR
+    finetune_warmup_epochs: float = 1.0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3  # AdamW LR of the linear probe, for trainer.lr_reference_batch_size images
+    weight_decay: float = 0.05
+    min_lr_ratio: float = 0.0
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class DinoV2FSDPConfig(RunConfig):
+    recipe: str = "dinov2_fsdp"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    stages: StagesConfig = field(default_factory=StagesConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+ConfigStore.instance().store(name="dinov2_fsdp_schema", node=DinoV2FSDPConfig)

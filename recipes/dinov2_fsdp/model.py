@@ -1,0 +1,135 @@
+"""A DINOv2 backbone (transformers or timm) with a linear head, and its FSDP2 wrapping.
+
+The backbone comes from transformers' ``Dinov2Model`` (default) or timm's
+``vit_*_patch14_dinov2``. Both expose the same three things the recipe needs: the final
+normalised tokens, the list of transformer blocks (the FSDP units) and the embedding width.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.errors import UserError
+from recipes.dinov2_fsdp.config import Features, Library, ModelConfig
+
+NUM_CLASSES = 100
+
+# The published facebook/dinov2-* architectures, so they can be built without the hub (benchmarks,
+# random initialisation on an offline node). Everything else is Dinov2Config's default (patch 14).
+DINOV2_ARCHITECTURES = {
+    "facebook/dinov2-small": {"hidden_size": 384, "num_hidden_layers": 12, "num_attention_heads": 6},
+    "facebook/dinov2-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12},
+    "facebook/dinov2-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16},
+    "facebook/dinov2-giant": {"hidden_size": 1536, "num_hidden_layers": 40, "num_attention_heads": 24,
+                              "use_swiglu_ffn": True},
+}
+# Parameters that never receive a gradient in classification (transformers' masked-image token):
+# kept frozen in every stage so the optimizer state has the same keys whenever it is saved.
+NEVER_TRAINED = ("backbone.embeddings.mask_token",)
+
+
+class DinoClassifier(nn.Module):
+    """Backbone features (CLS token, optionally with the mean patch token) into a linear head."""
+
+    def __init__(self, backbone: nn.Module, library: Library, features: Features) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.library = Library(library)
+        self.features = Features(features)
+        if self.library == Library.transformers:
+            self.embed_dim = backbone.config.hidden_size
+            self.num_prefix_tokens = 1
+        else:
+            self.embed_dim = backbone.embed_dim
+            self.num_prefix_tokens = backbone.num_prefix_tokens
+        width = self.embed_dim * (2 if self.features == Features.cls_patch_mean else 1)
+        self.head = nn.Linear(width, NUM_CLASSES)
+        nn.init.trunc_normal_(self.head.weight, std=0.01)
+        nn.init.zeros_(self.head.bias)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The transformer blocks: each one is an FSDP unit and a torch.compile unit."""
+        if self.library == Library.transformers:
+            return self.backbone.encoder.layer
+        return self.backbone.blocks
+
+    def set_backbone_trainable(self, trainable: bool) -> None:
+        for name, param in self.named_parameters():
+            if name.startswith("backbone."):
+                param.requires_grad_(trainable and name not in NEVER_TRAINED)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.library == Library.transformers:
+            tokens = self.backbone(pixel_values=images).last_hidden_state
+        else:
+            tokens = self.backbone.forward_features(images)
+        features = tokens[:, 0]
+        if self.features == Features.cls_patch_mean:
+            features = torch.cat([features, tokens[:, self.num_prefix_tokens :].mean(dim=1)], dim=-1)
+        return self.head(features)
+
+
+def _transformers_backbone(cfg: ModelConfig) -> nn.Module:
+    from transformers import Dinov2Config, Dinov2Model
+
+    if cfg.weights:
+        raise UserError("model.weights is for timm; with transformers set model.name to a local directory")
+    try:
+        if cfg.pretrained:
+            return Dinov2Model.from_pretrained(cfg.name, attn_implementation="sdpa")
+        if cfg.name in DINOV2_ARCHITECTURES:
+            config = Dinov2Config(**DINOV2_ARCHITECTURES[cfg.name], image_size=cfg.image_size)
+        else:
+            config = Dinov2Config.from_pretrained(cfg.name)
+    except OSError as error:
+        raise UserError(f"cannot load the DINOv2 model {cfg.name!r}: {str(error).splitlines()[0]}") from error
+    config._attn_implementation = "sdpa"
+    return Dinov2Model(config)
+
+
+def _timm_backbone(cfg: ModelConfig) -> nn.Module:
+    import timm
+
+    if cfg.weights and not cfg.pretrained:
+        raise UserError("model.weights is set but model.pretrained=false")
+    if cfg.weights and not Path(cfg.weights).is_file():
+        raise UserError(f"model.weights={cfg.weights} is not a file")
+    overlay = {"file": str(Path(cfg.weights).resolve())} if cfg.weights else None
+    try:
+        return timm.create_model(cfg.name, pretrained=cfg.pretrained, num_classes=0, img_size=cfg.image_size,
+                                 pretrained_cfg_overlay=overlay)
+    except RuntimeError as error:  # unknown model name, or weights that do not fit the architecture
+        raise UserError(f"cannot build timm model {cfg.name!r}: {str(error).splitlines()[0]}") from error
+
+
+def build_model(cfg: ModelConfig) -> DinoClassifier:
+    """The classifier on CPU in fp32; the backbone's weights are loaded here when pretrained."""
+    backbone = _transformers_backbone(cfg) if cfg.library == Library.transformers else _timm_backbone(cfg)
+    patch = backbone.config.patch_size if cfg.library == Library.transformers else backbone.patch_embed.patch_size[0]
+    if cfg.image_size % patch:
+        raise UserError(f"model.image_size={cfg.image_size} is not a multiple of the patch size {patch}")
+    if cfg.activation_checkpointing:
+        if cfg.library == Library.transformers:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            backbone.set_grad_checkpointing(True)
+    return DinoClassifier(backbone, cfg.library, cfg.features)
+
+
+def shard_with_fsdp(model: DinoClassifier, precision: str, reshard_after_forward: bool, cpu_offload: bool) -> None:
+    """FSDP2 in place: every transformer block is a unit, then the root holds the rest.
+
+    bf16 keeps bf16 parameters for compute and reduces gradients in fp32.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
+        else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mixed, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=mixed, offload_policy=offload, reshard_after_forward=reshard_after_forward)

@@ -1,0 +1,318 @@
+"""dinov2_fsdp on a tiny CIFAR-100 tarball with a tiny DINOv2: stages, FSDP2 resume, resharding.
+
+The 2-rank runs are real ``torch.distributed.run`` launches on gloo (FSDP2 with bf16 parameters
+on CPU). One uninterrupted 2-rank run with a checkpoint after every step is the reference that
+several tests read: its checkpoints show the stage transition, its digest is what a killed and
+resumed run must reproduce, and its step-6 checkpoint is what a single rank resumes from.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import assert_ok, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
+from tests.fake_data import write_cifar100_tarball
+
+RECIPE = "dinov2_fsdp"
+N_TRAIN, N_TEST = 32, 11  # 11 test images: 2 ranks evaluate 6 and 5 of them
+PROBE_STEPS, TOTAL_STEPS = 4, 12  # 32 images / global batch 8 = 4 steps per epoch; 1 probe + 2 fine-tune epochs
+
+
+def tiny_dinov2_config():
+    from transformers import Dinov2Config
+
+    return Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=28,
+                        patch_size=14)
+
+
+@pytest.fixture(scope="module")
+def cifar_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The layout `make prep-cifar100_resnet50` leaves: data/cifar100/cifar-100-python/{train,test,meta}."""
+    root = tmp_path_factory.mktemp("cifar100")
+    tarball = write_cifar100_tarball(root / "cifar-100-python.tar.gz", n_train=N_TRAIN, n_test=N_TEST)
+    with tarfile.open(tarball) as archive:
+        archive.extractall(root, filter="data")
+    return root
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 'pretrained' backbone in transformers' save_pretrained layout (config.json + model.safetensors)."""
+    from transformers import Dinov2Model
+
+    torch.manual_seed(123)
+    path = tmp_path_factory.mktemp("dinov2_tiny")
+    Dinov2Model(tiny_dinov2_config()).save_pretrained(path)
+    return path
+
+
+def overrides(data: Path, backbone: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        f"data.root={data}", f"model.name={backbone}", f"run_dir={run_dir}", "model.image_size=28",
+        "trainer.batch_size=4", "trainer.global_batch_size=8", "trainer.epochs=3", "stages.probe_epochs=1",
+        "optim.lr=0.05", "trainer.log_every_steps=2", "checkpoint.every_seconds=0", "checkpoint.every_steps=1",
+        "checkpoint.keep_last=100", "seed=3", "logging.backend=none", "logging.progress_bar=false", *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(cifar_root: Path, pretrained_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 2-rank run (bf16 FSDP2) that keeps a checkpoint of every step."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    result = run_recipe(RECIPE, overrides(cifar_root, pretrained_dir, run_dir), nproc=2)
+    assert_ok(result)
+    (run_dir / "stdout.txt").write_text(result.stdout)
+    return run_dir
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:09d}"
+
+
+def saved_stage(run_dir: Path, step: int) -> str:
+    state = torch.load(checkpoint_dir(run_dir, step) / "state.pt", weights_only=True)
+    return state["progress"]["extra"]["stage"]
+
+
+def shard_keys(run_dir: Path, step: int) -> set[str]:
+    return set(FileSystemReader(checkpoint_dir(run_dir, step) / "sharded").read_metadata().state_dict_metadata)
+
+
+def sharded_tensors(run_dir: Path, step: int, tmp_path: Path) -> dict:
+    """The checkpoint's model and optimizer shards gathered into one state dict (no process group)."""
+    out = tmp_path / f"gathered_{run_dir.parent.name}_{step}.pt"
+    dcp_to_torch_save(checkpoint_dir(run_dir, step) / "sharded", out)
+    return torch.load(out, weights_only=False)
+
+
+def test_probe_then_finetune_with_the_backbone_frozen_in_stage_one(
+    reference: Path, pretrained_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import Dinov2Model
+
+    summary = read_summary(reference)
+    assert summary["steps"] == TOTAL_STEPS and summary["epochs"] == 3 and summary["world_size"] == 2
+    assert summary["stage"] == "finetune"
+    stdout = (reference / "stdout.txt").read_text()
+    assert f"with FSDP2, global batch 8 (4 x 2 ranks x 1 accumulation), probe lr 0.05, {PROBE_STEPS} probe + " \
+           f"{TOTAL_STEPS - PROBE_STEPS} fine-tune steps" in stdout
+    assert f"stage finetune: backbone unfrozen, lr 0.00625 at step {PROBE_STEPS}" in stdout
+
+    pretrained = Dinov2Model.from_pretrained(pretrained_dir).state_dict()
+    end_of_probe = sharded_tensors(reference, PROBE_STEPS, tmp_path)
+    first_finetune = sharded_tensors(reference, PROBE_STEPS + 1, tmp_path)
+
+    # Stage 1: the backbone is exactly the pretrained one after 4 optimizer steps, the head moved,
+    # and the optimizer holds state for the head only.
+    assert saved_stage(reference, PROBE_STEPS) == "probe"
+    for name, value in pretrained.items():
+        assert torch.equal(end_of_probe["model"][f"backbone.{name}"], value), name
+    probe_keys = {key for key in shard_keys(reference, PROBE_STEPS) if key.startswith("optimizer.state.")}
+    assert probe_keys and all(key.startswith("optimizer.state.head.") for key in probe_keys), probe_keys
+    assert not torch.equal(end_of_probe["model"]["head.weight"], sharded_tensors(reference, 1, tmp_path)["model"][
+        "head.weight"])
+
+    # Stage 2: the whole backbone (but the unused mask token) trains with a fresh optimizer.
+    assert saved_stage(reference, PROBE_STEPS + 1) == "finetune"
+    finetune_state = first_finetune["optimizer"]["state"]
+    trained = {name for name in pretrained if name != "embeddings.mask_token"}
+    assert {f"backbone.{name}" for name in trained} | {"head.weight", "head.bias"} == set(finetune_state)
+    assert all(int(state["step"]) == 1 for state in finetune_state.values())
+    for name in trained:
+        assert not torch.equal(first_finetune["model"][f"backbone.{name}"], pretrained[name]), name
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants. torchrun starts each worker in a session of its own, so
+    killing the launcher's process group would leave the ranks running."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+    return [pid] + [descendant for child in children for descendant in process_tree(child)]
+
+
+def kill_now(pids: list[int]) -> None:
+    """SIGKILL ``pids`` and wait until none of them can run any more (gone or a zombie)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    for pid in pids:
+        stat = Path(f"/proc/{pid}/stat")
+        while stat.exists() and time.monotonic() < deadline:
+            try:
+                if stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    break
+            except (FileNotFoundError, IndexError):
+                break
+            time.sleep(0.01)
+
+
+def test_sigkill_in_the_finetune_stage_then_resume_matches_the_uninterrupted_run(
+    reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    kill_after = random.Random(8).randint(PROBE_STEPS + 2, TOTAL_STEPS - 3)
+    process = start_recipe(RECIPE, overrides(cifar_root, pretrained_dir, run_dir), nproc=2)
+    wait_for_step(run_dir / "checkpoints", kill_after, process)
+    kill_now(process_tree(process.pid))  # every rank and the launcher, no clean-up anywhere
+    process.wait()
+    assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
+    killed_at = latest_step(run_dir / "checkpoints")
+    assert PROBE_STEPS < killed_at < TOTAL_STEPS
+    assert saved_stage(run_dir, killed_at) == "finetune"
+
+    result = run_recipe(RECIPE, overrides(cifar_root, pretrained_dir, run_dir), nproc=2)
+    assert_ok(result)
+    assert f"(step {killed_at}, epoch {killed_at // PROBE_STEPS}, stage finetune)" in result.stdout
+    assert "stage finetune: backbone unfrozen" not in result.stdout  # it resumed in stage 2, not into it
+    resumed, uninterrupted = read_summary(run_dir), read_summary(reference)
+    assert resumed["resumes"] == 1 and resumed["steps"] == uninterrupted["steps"]
+    assert resumed["model_digest"] == uninterrupted["model_digest"]
+    assert resumed["metrics"] == uninterrupted["metrics"]
+
+
+def copy_checkpoints_up_to(source: Path, destination: Path, step: int) -> None:
+    """A run directory whose newest checkpoint is ``source``'s checkpoint ``step``."""
+    (destination / "checkpoints").mkdir(parents=True)
+    for path in (source / "checkpoints").glob("step_*"):
+        if int(path.name.split("_")[1]) <= step:
+            shutil.copytree(path, destination / "checkpoints" / path.name)
+    (destination / "checkpoints" / "latest").write_text(f"step_{step:09d}\n")
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one_rank(
+    reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path
+) -> None:
+    resume_at = PROBE_STEPS + 2
+
+    # Loading the 2-rank shards on 1 rank and saving them again changes nothing: the model and the
+    # fine-tune optimizer's state are resharded exactly (max_steps stops before any new step).
+    exact = tmp_path / "exact"
+    copy_checkpoints_up_to(reference, exact, resume_at)
+    assert_ok(run_recipe(RECIPE, overrides(cifar_root, pretrained_dir, exact, f"trainer.max_steps={resume_at}")))
+    original = sharded_tensors(reference, resume_at, tmp_path)
+    resaved = sharded_tensors(exact, resume_at, tmp_path)
+    assert saved_stage(exact, resume_at) == "finetune"
+    assert original["model"].keys() == resaved["model"].keys()
+    for name, value in original["model"].items():
+        assert torch.equal(resaved["model"][name], value), name
+    assert original["optimizer"]["state"].keys() == resaved["optimizer"]["state"].keys()
+    for name, state in original["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(resaved["optimizer"]["state"][name][key], value), (name, key)
+
+    # Continuing on 1 rank (2 micro-batches per step keep the global batch at 8) finishes the run.
+    continued = tmp_path / "continued"
+    copy_checkpoints_up_to(reference, continued, resume_at)
+    result = run_recipe(RECIPE, overrides(cifar_root, pretrained_dir, continued))
+    assert_ok(result)
+    assert f"(step {resume_at}, epoch 1, stage finetune)" in result.stdout
+    assert "global batch 8 (4 x 1 ranks x 2 accumulation)" in result.stdout
+    summary = read_summary(continued)
+    assert summary["world_size"] == 1 and summary["resumes"] == 1
+    assert summary["steps"] == TOTAL_STEPS and summary["stage"] == "finetune"
+    next_step = sharded_tensors(continued, resume_at + 1, tmp_path)["optimizer"]["state"]
+    assert all(int(state["step"]) == resume_at + 1 - PROBE_STEPS for state in next_step.values())
+
+
+def test_missing_data_is_a_one_line_error_with_exit_2(pretrained_dir: Path, tmp_path: Path) -> None:
+    result = run_recipe(RECIPE, overrides(Path("/does/not/exist"), pretrained_dir, tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: no CIFAR-100 pickles (train, test, meta) under /does/not/exist: run `make prep-cifar100_resnet50` "
+        "or set data.root to the folder that holds cifar-100-python/"
+    ]
+
+
+# ---- in-process checks of the pieces -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_samples", "world_size"), [(11, 2), (10, 2), (7, 3), (5, 1)])
+def test_eval_batches_count_every_sample_once_with_equal_batches_per_rank(num_samples: int, world_size: int) -> None:
+    from recipes.dinov2_fsdp.train import eval_batches
+
+    kept, batch_counts = [], set()
+    for rank in range(world_size):
+        batches = eval_batches(num_samples, rank, world_size, batch_size=2)
+        batch_counts.add(tuple(len(indices) for indices, _ in batches))
+        kept += [int(i) for indices, keep in batches for i in indices[keep]]
+    assert len(batch_counts) == 1, "ranks would run different numbers of forward passes"
+    assert sorted(kept) == list(range(num_samples))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("stages.probe_epochs=4", "stages.probe_epochs=4 must be between 0 and trainer.epochs=3"),
+        ("trainer.precision=fp16", "trainer.precision=fp16 is not supported here"),
+        ("fsdp.cpu_offload=true", "fsdp.cpu_offload moves GPU state to host memory: it needs device=cuda"),
+    ],
+)
+def test_settings_the_recipe_cannot_honour_are_refused(tmp_path: Path, override: str, message: str) -> None:
+    from common.distributed import DistInfo
+    from common.entry import validate_overrides
+    from common.errors import UserError
+    from recipes.dinov2_fsdp.train import check_settings
+
+    cfg = validate_overrides(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", override])
+    cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")
+    with pytest.raises(UserError, match=re.escape(message)):
+        check_settings(cfg, cpu)
+
+
+def test_transformers_architectures_build_offline_from_the_table() -> None:
+    from recipes.dinov2_fsdp.config import ModelConfig
+    from recipes.dinov2_fsdp.model import build_model
+
+    model = build_model(ModelConfig(name="facebook/dinov2-small", pretrained=False, image_size=56,
+                                    features="cls_patch_mean"))
+    assert model.embed_dim == 384 and len(model.blocks) == 12 and model.head.in_features == 768
+    assert model(torch.zeros(2, 3, 56, 56)).shape == (2, 100)
+
+
+def test_timm_backbone_loads_a_local_weights_file_and_freezes(tmp_path: Path) -> None:
+    import timm
+
+    from recipes.dinov2_fsdp.config import ModelConfig
+    from recipes.dinov2_fsdp.model import build_model
+
+    torch.manual_seed(7)
+    source = timm.create_model("test_vit", pretrained=False, num_classes=0, img_size=32)
+    weights = tmp_path / "test_vit.pth"
+    torch.save(source.state_dict(), weights)
+
+    for features, width in (("cls", 64), ("cls_patch_mean", 128)):
+        model = build_model(ModelConfig(library="timm", name="test_vit", pretrained=True, weights=str(weights),
+                                        image_size=32, features=features))
+        assert model.head.in_features == width and len(model.blocks) == len(source.blocks)
+        for name, value in source.state_dict().items():
+            assert torch.equal(model.backbone.state_dict()[name], value), name
+        model.set_backbone_trainable(False)
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+        assert all(p.grad is None for p in model.backbone.parameters())
+        assert model.head.weight.grad is not None
+
+
+def test_a_missing_weights_file_is_a_user_error(tmp_path: Path) -> None:
+    from common.errors import UserError
+    from recipes.dinov2_fsdp.config import ModelConfig
+    from recipes.dinov2_fsdp.model import build_model
+
+    with pytest.raises(UserError, match="is not a file"):
+        build_model(ModelConfig(library="timm", name="test_vit", weights=str(tmp_path / "missing.pth"),
+                                image_size=32))
