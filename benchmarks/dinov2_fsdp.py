@@ -1,0 +1,130 @@
+"""dinov2_fsdp: fine-tune throughput (images/s) and model FLOPs utilisation for ViT-B/14 and ViT-L/14.
+
+One step is the recipe's stage-2 step on one device (all parameters trainable): upsample a uint8
+CIFAR batch to 224 px, forward under bf16 autocast, cross-entropy, backward, AdamW. It is timed
+with ``torch.compile`` of each transformer block off and on. FLOPs per step are counted once with
+``torch.utils.flop_counter`` (matmuls, convolutions, attention), and MFU is the achieved FLOP/s
+over the GPU's dense bf16 peak. Without a GPU (quick mode) a tiny DINOv2 runs on the CPU with
+compile off, to keep the code path checked; its MFU is not reported (no meaningful peak).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks.results import Result
+from common.precision import autocast
+from recipes.dinov2_fsdp.data import to_model_input
+from recipes.dinov2_fsdp.model import DINOV2_ARCHITECTURES, DinoClassifier
+
+BENCHMARK = "dinov2_fsdp fine-tune"
+# Dense bf16 tensor-core peaks from the vendor data sheets, in FLOP/s.
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+
+@dataclass(frozen=True)
+class Size:
+    label: str
+    architecture: dict
+    image_size: int
+    batch_size: int
+
+
+FULL = (
+    Size("ViT-B/14", DINOV2_ARCHITECTURES["facebook/dinov2-base"], 224, 128),
+    Size("ViT-L/14", DINOV2_ARCHITECTURES["facebook/dinov2-large"], 224, 64),
+)
+QUICK = (Size("tiny ViT/14 (CPU)", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}, 56, 8),)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+def build(size: Size, device: torch.device, compile_blocks: bool) -> DinoClassifier:
+    from transformers import Dinov2Config, Dinov2Model
+
+    config = Dinov2Config(**size.architecture, image_size=size.image_size)
+    config._attn_implementation = "sdpa"
+    model = DinoClassifier(Dinov2Model(config), "transformers", "cls").to(device)
+    if compile_blocks:
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward)
+    return model
+
+
+def train_step(model: DinoClassifier, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor,
+               image_size: int) -> None:
+    with autocast(images.device, "bf16"):
+        logits = model(to_model_input(images, image_size)).float()
+    F.cross_entropy(logits, labels).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def flops_per_step(size: Size, device: torch.device) -> float:
+    """Forward and backward FLOPs of one batch, counted on an uncompiled copy of the model."""
+    model = build(size, device, compile_blocks=False)
+    images = torch.randint(0, 256, (size.batch_size, 3, 32, 32), dtype=torch.uint8, device=device)
+    labels = torch.randint(0, 100, (size.batch_size,), device=device)
+    counter = FlopCounterMode(display=False)
+    with counter, autocast(device, "bf16"):
+        logits = model(to_model_input(images, size.image_size)).float()
+    with counter:
+        F.cross_entropy(logits, labels).backward()
+    return float(counter.get_total_flops())
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(size: Size, device: torch.device, compile_blocks: bool, warmup: int, steps: int) -> list[Result]:
+    torch.manual_seed(0)
+    model = build(size, device, compile_blocks)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    images = torch.randint(0, 256, (size.batch_size, 3, 32, 32), dtype=torch.uint8, device=device)
+    labels = torch.randint(0, 100, (size.batch_size,), device=device)
+    for _ in range(warmup):
+        train_step(model, optimizer, images, labels, size.image_size)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        train_step(model, optimizer, images, labels, size.image_size)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+
+    compiled = "on" if compile_blocks else "off"
+    setting = f"{size.label}, {size.image_size}px, batch {size.batch_size}, bf16, compile {compiled}"
+    results = [Result(BENCHMARK, setting, size.batch_size * steps / seconds, "images/s", f"{device}")]
+    if device.type == "cuda":
+        results.append(Result(BENCHMARK, setting, torch.cuda.max_memory_allocated(device) / 2**30, "GiB peak",
+                              "torch.cuda.max_memory_allocated during the timed steps"))
+    del model, optimizer
+    peak = peak_flops(device)
+    if peak is not None:
+        mfu = 100 * flops_per_step(size, device) * steps / seconds / peak
+        results.append(Result(BENCHMARK, setting, mfu, "% MFU", f"of {peak / 1e12:.0f} TFLOP/s dense bf16"))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def run(quick: bool) -> list[Result]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        return [result for size in QUICK for result in measure(size, device, False, warmup=1, steps=3)]
+    sizes, warmup, steps = (FULL, 3, 5) if quick else (FULL, 10, 30)
+    return [result for size in sizes for compile_blocks in (False, True)
+            for result in measure(size, device, compile_blocks, warmup, steps)]
