@@ -13,7 +13,7 @@ NPROC ?= 1
 SOURCE ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup test bench new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test bench new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path]"
@@ -43,7 +43,10 @@ else
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.$*.train $(ARGS)
 endif
 
-test: $(STAMP) ## Run the test suite (CPU, offline)
+lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
+	$(VENV)/bin/ruff check .
+
+test: lint ## Lint, then run the test suite (CPU, offline)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP) ## Measure loop overhead, checkpoint stall and throughput; writes benchmarks/RESULTS.md

@@ -1,6 +1,7 @@
 """Checkpoint stall: how long a checkpoint of ResNet-50 + SGD momentum blocks the training loop.
 
-Three ways to save the same state into ``runs/benchmarks/`` (where checkpoints normally go) (``common.train_state.capture`` of a torchvision ResNet-50
+Three ways to save the same state into ``runs/benchmarks/``, where checkpoints normally go
+(``common.train_state.capture`` of a torchvision ResNet-50
 after one SGD step with momentum, so every momentum buffer exists):
 
 * plain ``torch.save`` to a file: no fsync, no digest, not atomic (the baseline of the issue);

@@ -191,9 +191,10 @@ def run(quick: bool) -> list[Result]:
                        "%", "fastest recipe segment / fastest bare segment - 1: a busy machine only adds time"),
             ]
         bookkeeping = bookkeeping_us_per_step(torch.device(device), 200 if quick else 2000, batch_size)
+        bare_step_ms = statistics.median(times["bare wall" if device == "cuda" else "bare cpu"])
         results.append(Result(
             BENCHMARK, f"{device}: shared-layer calls alone", bookkeeping, "us/step",
-            f"{100 * bookkeeping / 1000 / statistics.median(times['bare wall' if device == 'cuda' else 'bare cpu']):.2f}"
+            f"{100 * bookkeeping / 1000 / bare_step_ms:.2f}"
             " % of the bare step; seeded generator, SumMetrics.add, sampler.advance, progress bar, "
             f"logging every {SEGMENT} steps, cadence check",
         ))

@@ -32,7 +32,8 @@ class CheckFailed(Exception):
 
 def recipes() -> list[str]:
     """Recipes with a train.py and a primary config."""
-    return sorted(p.parent.name for p in (REPO / "recipes").glob("*/train.py") if (REPO / "conf" / f"{p.parent.name}.yaml").is_file())
+    return sorted(p.parent.name for p in (REPO / "recipes").glob("*/train.py")
+                  if (REPO / "conf" / f"{p.parent.name}.yaml").is_file())
 
 
 def check_python_env(recipe: str | None = None) -> str:
@@ -68,8 +69,8 @@ def check_gpus(nproc_per_node: int, backend: str, min_free_gib: float = 1.0) -> 
         free_bytes, total_bytes = torch.cuda.mem_get_info(index)
         free.append(free_bytes / 2**30)
         if free_bytes / 2**30 < min_free_gib:
-            raise CheckFailed(f"GPU {index} has only {free_bytes / 2**30:.1f} GiB free of {total_bytes / 2**30:.0f} GiB; "
-                              "another process is using it (nvidia-smi)")
+            raise CheckFailed(f"GPU {index} has only {free_bytes / 2**30:.1f} GiB free of "
+                              f"{total_bytes / 2**30:.0f} GiB; another process is using it (nvidia-smi)")
     return f"{count} GPU(s) ({torch.cuda.get_device_name(0)}), free GiB: " + ", ".join(f"{f:.0f}" for f in free)
 
 
@@ -94,7 +95,8 @@ def check_data(recipe: str, overrides: list[str]) -> str:
 
     root = Path(validate_overrides(recipe, overrides).data.root)
     if not root.exists():
-        how = f"make prep-{recipe}" if (REPO / "data_prep" / f"{recipe}.py").is_file() else f"see recipes/{recipe}/README.md"
+        has_prep = (REPO / "data_prep" / f"{recipe}.py").is_file()
+        how = f"make prep-{recipe}" if has_prep else f"see recipes/{recipe}/README.md"
         raise CheckFailed(f"{root} does not exist ({how})")
     return str(root)
 

@@ -14,7 +14,10 @@ A checkpoint is written into ``.tmp-step_...``, every file and the directory are
 manifest (the completion marker) is written and fsynced, and only then is the directory
 renamed into place and the parent fsynced. A crash at any point leaves either the complete
 new checkpoint or a ``.tmp-`` directory that loading ignores. Old checkpoints are pruned only
-after a newer one is complete, and the newest complete one is never pruned.
+after a newer one is complete, and the newest complete one is never pruned. Saving a step
+that already has a checkpoint (a recipe saves on an epoch's last step, then again after the
+epoch's evaluation) moves the old one aside to ``.replaced-step_...`` first; if a crash comes
+before the new one is in place, the next manager moves the old one back.
 
 Loading verifies the manifest's digests; a damaged checkpoint is reported and the next older
 valid one is used.
@@ -45,6 +48,7 @@ SHARDED_DIR = "sharded"
 MANIFEST_FILE = "manifest.json"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+REPLACED_PREFIX = ".replaced-"
 
 
 def report_to_stderr(message: str) -> None:
@@ -210,6 +214,12 @@ class CheckpointManager:
         self._error: BaseException | None = None
         if self.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
+            for replaced in self.directory.glob(f"{REPLACED_PREFIX}{PREFIX}*"):
+                original = self.directory / replaced.name[len(REPLACED_PREFIX) :]
+                if original.exists():
+                    shutil.rmtree(replaced, ignore_errors=True)
+                else:  # the save that replaced it did not get its own checkpoint into place
+                    os.rename(replaced, original)
             for stale in self.directory.glob(f"{TMP_PREFIX}*"):
                 if stale.is_dir():
                     shutil.rmtree(stale, ignore_errors=True)
@@ -299,10 +309,13 @@ class CheckpointManager:
             os.fsync(handle.fileno())
         _fsync_dir(tmp)
         final = self.directory / checkpoint_name(step)
+        replaced = self.directory / f"{REPLACED_PREFIX}{final.name}"
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(final, replaced)
         os.rename(tmp, final)
         _fsync_dir(self.directory)
+        shutil.rmtree(replaced, ignore_errors=True)
         _write_text_atomic(self.directory / "latest", final.name + "\n")
         self._prune()
 

@@ -92,6 +92,15 @@ class ResumableDistributedSampler(Sampler):
             return iter([(self.epoch, index) for index in mine])
         return iter(mine)
 
+    def index_batches(self, batch_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+        """This rank's remaining indices of the epoch as tensors of ``batch_size`` on ``device`` (the
+        last may be shorter), for recipes that index tensors in memory. Empty when the epoch is
+        done, as it is after resuming from a checkpoint taken on an epoch's last step."""
+        indices = list(self)
+        if not indices:
+            return ()
+        return torch.tensor(indices, dtype=torch.long, device=device).split(batch_size)
+
     def advance(self, samples_per_rank: int) -> None:
         """Record that every rank has finished ``samples_per_rank`` more samples of this epoch."""
         self.consumed = min(self.num_samples, self.consumed + samples_per_rank * self.world_size)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,9 +40,43 @@ def run_recipe(recipe: str, overrides: list[str], nproc: int = 1, timeout: float
 
 def start_recipe(recipe: str, overrides: list[str], nproc: int = 1,
                  env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start a run in its own process group, so a test can SIGKILL every rank at once."""
+    """Start a run in the background; :func:`kill_run` ends it the way a lost node would."""
     return subprocess.Popen(recipe_command(recipe, overrides, nproc), cwd=REPO, env=env or recipe_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants. torchrun starts each worker in a session of its own, so
+    killing the launcher's process group would leave the ranks running."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+    return [pid] + [descendant for child in children for descendant in process_tree(child)]
+
+
+def kill_run(process: subprocess.Popen) -> None:
+    """SIGKILL a run started by :func:`start_recipe` (launcher, every rank, every data worker), with
+    no clean-up anywhere, and wait until none of its processes can run any more."""
+    pids = process_tree(process.pid)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    process.wait()
+    deadline = time.monotonic() + 30
+    for pid in pids[1:]:
+        stat = Path(f"/proc/{pid}/stat")
+        while time.monotonic() < deadline:
+            try:
+                if stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    break
+            except (FileNotFoundError, IndexError):
+                break
+            time.sleep(0.01)
 
 
 def latest_step(checkpoint_dir: Path) -> int:
@@ -70,7 +105,8 @@ def read_summary(run_dir: Path) -> dict:
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\n"
+                                    f"stderr:\n{result.stderr[-3000:]}")
 
 
 @pytest.fixture(scope="session")

@@ -286,7 +286,8 @@ def write_fungitastic(
             folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / filename, quality=90)
             rows.append([serial, filename, taxon[0], *taxon[1:], "Fungi", f"{taxon[1]} L.", 2022, "DK"])
-        name = f"{subset}-ClosedSet-{split.capitalize()}.csv" if closed_set_names else f"{subset}-{split.capitalize()}.csv"
+        kind = "-ClosedSet" if closed_set_names else ""
+        name = f"{subset}{kind}-{split.capitalize()}.csv"
         csv = root / "metadata" / subset / name
         csv.parent.mkdir(parents=True, exist_ok=True)
         lines = [",".join(columns)] + [",".join(str(value) for value in row) for row in rows]

@@ -113,6 +113,23 @@ def test_stale_temporary_directories_are_ignored_and_removed(tmp_path: Path) -> 
     assert loaded is not None and loaded.step == 1
 
 
+def test_saving_a_step_again_replaces_it_and_a_crash_midway_keeps_the_old_one(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager.save(4, state_for(4), {"eval/accuracy": 0.1})
+    manager.save(4, state_for(40), {"eval/accuracy": 0.2})
+    loaded = CheckpointManager(tmp_path, keep_last=1).load_latest()
+    assert loaded is not None and loaded.step == 4 and loaded.state["step"] == 40
+    assert loaded.metrics == {"eval/accuracy": 0.2}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_000000004"]
+
+    # A crash between moving the old checkpoint aside and renaming the new one into place.
+    (tmp_path / "step_000000004").rename(tmp_path / ".replaced-step_000000004")
+    (tmp_path / ".tmp-step_000000004").mkdir()
+    loaded = CheckpointManager(tmp_path, keep_last=1).load_latest()
+    assert loaded is not None and loaded.step == 4 and loaded.state["step"] == 40
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_000000004"]
+
+
 SAVER = textwrap.dedent("""
     import sys, torch
     from common.checkpoint import CheckpointManager

@@ -4,9 +4,7 @@ bit-exact resume after SIGKILL (1 and 2 gloo ranks), one-line errors."""
 from __future__ import annotations
 
 import io
-import os
 import random
-import signal
 import subprocess
 import sys
 import tarfile
@@ -30,6 +28,7 @@ from recipes.cifar100_resnet50.model import build_model
 from tests.conftest import (
     REPO,
     assert_ok,
+    kill_run,
     latest_step,
     read_summary,
     recipe_env,
@@ -248,8 +247,7 @@ def sigkill_then_resume(data: Path, run_dir: Path, settings: list[str], nproc: i
     try:
         wait_for_step(run_dir / "checkpoints", kill_after, process)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        kill_run(process)
     assert not (run_dir / "summary.json").exists(), "the run finished before it was killed"
     resumed = run_recipe(RECIPE, overrides(data, run_dir, *settings), nproc=nproc)
     assert_ok(resumed)

@@ -8,13 +8,10 @@ resumed run must reproduce, and its step-6 checkpoint is what a single rank resu
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import shutil
-import signal
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import assert_ok, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
+from tests.conftest import assert_ok, kill_run, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
 from tests.fake_data import write_cifar100_tarball
 
 RECIPE = "dinov2_fsdp"
@@ -134,34 +131,6 @@ def test_probe_then_finetune_with_the_backbone_frozen_in_stage_one(
         assert not torch.equal(first_finetune["model"][f"backbone.{name}"], pretrained[name]), name
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants. torchrun starts each worker in a session of its own, so
-    killing the launcher's process group would leave the ranks running."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(child) for child in (task / "children").read_text().split()]
-        except FileNotFoundError:
-            continue
-    return [pid] + [descendant for child in children for descendant in process_tree(child)]
-
-
-def kill_now(pids: list[int]) -> None:
-    """SIGKILL ``pids`` and wait until none of them can run any more (gone or a zombie)."""
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    for pid in pids:
-        stat = Path(f"/proc/{pid}/stat")
-        while stat.exists() and time.monotonic() < deadline:
-            try:
-                if stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    break
-            except (FileNotFoundError, IndexError):
-                break
-            time.sleep(0.01)
-
-
 def test_sigkill_in_the_finetune_stage_then_resume_matches_the_uninterrupted_run(
     reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path
 ) -> None:
@@ -169,8 +138,7 @@ def test_sigkill_in_the_finetune_stage_then_resume_matches_the_uninterrupted_run
     kill_after = random.Random(8).randint(PROBE_STEPS + 2, TOTAL_STEPS - 3)
     process = start_recipe(RECIPE, overrides(cifar_root, pretrained_dir, run_dir), nproc=2)
     wait_for_step(run_dir / "checkpoints", kill_after, process)
-    kill_now(process_tree(process.pid))  # every rank and the launcher, no clean-up anywhere
-    process.wait()
+    kill_run(process)  # every rank and the launcher, no clean-up anywhere
     assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
     killed_at = latest_step(run_dir / "checkpoints")
     assert PROBE_STEPS < killed_at < TOTAL_STEPS

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    assert_ok,
-    latest_step,
-    read_summary,
-    run_recipe,
-    start_recipe,
-    wait_for_step,
-)
+from tests.conftest import assert_ok, kill_run, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
 
 RECIPE = "fashion_mnist"
 TINY = [
@@ -80,8 +72,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_exact(fashion_data: Path, t
     kill_after = random.Random(nproc).randint(3, steps_total // 2)
     process = start_recipe(RECIPE, overrides(fashion_data, interrupted, *settings), nproc=nproc)
     wait_for_step(interrupted / "checkpoints", kill_after, process)
-    os.killpg(process.pid, signal.SIGKILL)  # every rank (and torchrun) at once, no clean-up
-    process.wait()
+    kill_run(process)  # every rank and torchrun at once, no clean-up
     assert not (interrupted / "summary.json").exists(), "the run finished before it could be killed"
     killed_at = latest_step(interrupted / "checkpoints")
     assert 0 < killed_at < steps_total

@@ -4,10 +4,8 @@ data prep, metrics against scikit-learn, pretrained loading, end to end, SIGKILL
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +27,7 @@ from recipes.fungitastic.model import build_model, load_pretrained
 from tests.conftest import (
     REPO,
     assert_ok,
+    kill_run,
     latest_step,
     read_summary,
     recipe_env,
@@ -278,8 +277,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_exact(
     kill_after = random.Random(7).randint(3, steps_total // 2)
     process = start_recipe(RECIPE, overrides(fungi_data, interrupted, *settings))
     wait_for_step(interrupted / "checkpoints", kill_after, process)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_run(process)
     assert not (interrupted / "summary.json").exists(), "the run finished before it could be killed"
     assert 0 < latest_step(interrupted / "checkpoints") < steps_total
 

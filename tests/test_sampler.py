@@ -109,3 +109,13 @@ def test_a_checkpoint_from_another_dataset_is_refused() -> None:
     state = ResumableDistributedSampler(10, 0, 1).state_dict()
     with pytest.raises(ValueError, match="10 samples"):
         ResumableDistributedSampler(12, 0, 1).load_state_dict(state)
+
+
+def test_index_batches_cover_the_rest_of_the_epoch_and_are_empty_once_it_is_done() -> None:
+    sampler = ResumableDistributedSampler(50, rank=1, world_size=2, seed=3)
+    sampler.set_epoch(0, consumed=10)
+    batches = sampler.index_batches(8)
+    assert [len(batch) for batch in batches] == [8, 8, 4]
+    assert [int(i) for batch in batches for i in batch] == list(sampler)
+    sampler.advance(20)  # a checkpoint taken on the epoch's last step resumes here
+    assert len(sampler) == 0 and sampler.index_batches(8) == ()

@@ -3,9 +3,7 @@ exact top-1/top-5 across ranks, the resumable repeated-augmentation sampler, pre
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from data_prep import timm_imagenet as prep
 from recipes.timm_imagenet.data import resolve, train_transform
 from recipes.timm_imagenet.model import build_model
 from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
-from tests.conftest import assert_ok, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
+from tests.conftest import assert_ok, kill_run, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
 from tests.fake_data import write_image_folder
 
 RECIPE = "timm_imagenet"
@@ -102,8 +100,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_exact(imagenet: Path, tmp_p
     interrupted = tmp_path / "interrupted"
     process = start_recipe(RECIPE, overrides(imagenet, interrupted, *settings))
     wait_for_step(interrupted / "checkpoints", random.Random(7).randint(2, steps_total - 2), process)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_run(process)
     assert not (interrupted / "summary.json").exists(), "the run finished before it could be killed"
     killed_at = latest_step(interrupted / "checkpoints")
     assert 0 < killed_at < steps_total

@@ -9,7 +9,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,13 +30,7 @@ from common.sampler import ResumableDistributedSampler
 from common.train_state import state_digest
 from recipes.tv_segmentation import coco
 from recipes.tv_segmentation.config import DataConfig, ModelConfig
-from recipes.tv_segmentation.data import (
-    SegmentationDataset,
-    eval_transform,
-    find_pairs,
-    pad_collate,
-    train_transform,
-)
+from recipes.tv_segmentation.data import SegmentationDataset, eval_transform, find_pairs, pad_collate, train_transform
 from recipes.tv_segmentation.metrics import ConfusionMatrix, segmentation_scores
 from recipes.tv_segmentation.model import build_model
 from recipes.tv_segmentation.sync_batchnorm import AllReduceBatchNorm, convert_sync_batchnorm
@@ -45,6 +38,7 @@ from recipes.tv_segmentation.train import evaluate
 from tests.conftest import (
     REPO,
     assert_ok,
+    kill_run,
     latest_step,
     read_summary,
     recipe_env,
@@ -283,8 +277,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_exact(voc_data: Path, tmp_p
     interrupted = tmp_path / "interrupted"
     process = start_recipe(RECIPE, overrides(voc_data, interrupted, *settings, "checkpoint.every_steps=1"))
     wait_for_step(interrupted / "checkpoints", random.Random(0).randint(3, 8), process)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    kill_run(process)
     killed_at = latest_step(interrupted / "checkpoints")
     assert not (interrupted / "summary.json").exists() and 0 < killed_at < summary["steps"]
 

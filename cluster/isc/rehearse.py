@@ -254,7 +254,8 @@ def _command_overrides(recipe: str, command: str, env: dict[str, str]) -> list[s
 
 
 def _print_cycle(cycle: Cycle) -> None:
-    outcome = f"killed after {cycle.seconds:.0f} s" if cycle.killed else f"exited {cycle.exit_code} after {cycle.seconds:.0f} s"
+    ending = "killed" if cycle.killed else f"exited {cycle.exit_code}"
+    outcome = f"{ending} after {cycle.seconds:.0f} s"
     resumed = "-" if cycle.resumed_from is None else f"step {cycle.resumed_from}"
     reached = "-" if cycle.newest is None else f"step {cycle.newest.step}"
     age = "-" if cycle.newest is None or not cycle.killed else f"{cycle.checkpoint_age_s:.1f} s"
@@ -266,7 +267,8 @@ def rehearse(isc_file: Path, cycles: int, cycle_s: float, data: Path | None, npr
     experiment = load_experiment(isc_file)
     if cycles < 1 or cycle_s <= 0:
         raise UserError("--cycles must be at least 1 and --cycle-seconds positive")
-    work = (work_dir or REPO / "runs" / "isc_rehearsal" / f"{experiment.recipe}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    default_work = REPO / "runs" / "isc_rehearsal" / f"{experiment.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+    work = (work_dir or default_work).resolve()
     if work.exists() and any(work.iterdir()):
         raise UserError(f"work directory {work} is not empty; give a new --work-dir")
     home = work / "home"

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,12 +36,12 @@ from common.checkpoint import SHARDED_DIR, CheckpointManager
 from common.data import seeded_generator
 from common.distributed import DistInfo, init_distributed, shutdown_distributed
 from common.entry import recipe_main
-from common.errors import Preempted, UserError
+from common.errors import UserError
 from common.loggers import RunLogger
 from common.metrics import SumMetrics, ratio
 from common.optim import accumulation_steps, param_groups, scaled_lr, warmup_cosine
 from common.precision import autocast
-from common.preemption import CheckpointCadence, StopFlag
+from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
 from common.summary import write_summary
 from recipes.dinov2_fsdp import config as _schema  # noqa: F401  (registers the schema)
@@ -172,14 +172,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     train_sums = SumMetrics(device)
 
     # ---- resume: state.pt and the model's shards, then the stage's optimizer and its shards --
-    checkpoints = CheckpointManager(
-        cfg.checkpoint.dir,
-        keep_last=cfg.checkpoint.keep_last,
-        keep_best=cfg.checkpoint.keep_best,
-        best_metric=cfg.checkpoint.best_metric,
-        best_mode=cfg.checkpoint.best_mode,
-        async_save=cfg.checkpoint.async_save,
-    )
+    checkpoints = CheckpointManager.from_config(cfg.checkpoint)
     progress = train_state.Progress(extra={"stage": stage_of_epoch(0).value})
     loaded = None
     if cfg.checkpoint.resume:
@@ -195,17 +188,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     else:
         sampler.set_epoch(0)
 
-    logger = RunLogger(
-        cfg.logging.backend,
-        cfg.logging.dir,
-        dist_info.is_main,
-        run_name=f"{cfg.recipe}/{cfg.name}",
-        config=OmegaConf.to_container(cfg, resolve=True),
-        resume_step=progress.step,
-        wandb_project=cfg.logging.wandb_project,
-        wandb_mode=cfg.logging.wandb_mode,
-        progress_bar=cfg.logging.progress_bar,
-    )
+    logger = RunLogger.from_config(cfg, dist_info.is_main, resume_step=progress.step)
     if loaded is not None:
         logger.console(f"resumed from {loaded.path} (step {progress.step}, epoch {progress.epoch}, "
                        f"stage {stage.value})")
@@ -217,10 +200,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     )
 
     timer = train_state.SegmentTimer()
-    stop_flag = StopFlag()
-    cadence = CheckpointCadence(
-        cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds, cfg.checkpoint.sync_every_steps, device, stop_flag
-    )
+    cadence = CheckpointCadence.from_config(cfg.checkpoint, device)
 
     def save(metrics: dict[str, float] | None = None) -> None:
         progress.train_seconds += timer.lap()
@@ -242,14 +222,16 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
 
     # ---- training loop --------------------------------------------------------------------
     model.train()
-    while not progress.finished and not training_done():
+    if not training_done():
+        progress.finished = False  # a finished run restarted with more epochs or steps goes on
+    while not training_done():
         if stage_of_epoch(progress.epoch) != stage:
             stage = stage_of_epoch(progress.epoch)
             optimizer, scheduler = start_stage(stage)
             progress.extra["stage"] = stage.value
             logger.console(f"stage {stage.value}: backbone unfrozen, lr {scheduler.base_lrs[0]:g} at step "
                            f"{progress.step}")
-        micro_batches = torch.tensor(list(sampler), dtype=torch.long, device=device).split(micro_batch)
+        micro_batches = sampler.index_batches(micro_batch, device)
         steps_left_in_epoch = math.ceil(len(micro_batches) / accumulate)
         bar = logger.progress(steps_per_epoch, initial=steps_per_epoch - steps_left_in_epoch,
                               description=f"epoch {progress.epoch + 1}/{cfg.trainer.epochs} ({stage.value})")
@@ -299,8 +281,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                 bar.close()
                 checkpoints.wait()
                 logger.close()
-                raise Preempted(f"received {stop_flag.signal_name or 'a stop signal on another rank'}: "
-                                f"checkpoint saved at step {progress.step} ({stage.value})")
+                raise cadence.preempted(progress.step)
         bar.close()
 
         if len(sampler) == 0:  # every sample of this epoch is done
@@ -319,7 +300,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         save(eval_metrics)
     checkpoints.wait()
     logger.close()
-    stop_flag.restore()
+    cadence.close()
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist_info.is_main:
         summary = write_summary(

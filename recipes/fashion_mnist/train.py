@@ -45,8 +45,7 @@ def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
         len(images), dist_info.rank, dist_info.world_size, shuffle=False, drop_last=False
     )
     sums = SumMetrics(dist_info.device)
-    indices = torch.tensor(list(sampler), dtype=torch.long, device=images.device)
-    for batch in indices.split(cfg.trainer.batch_size * 4):
+    for batch in sampler.index_batches(cfg.trainer.batch_size * 4, images.device):
         x = normalize(images[batch])
         if cfg.trainer.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -150,7 +149,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     if not training_done():
         progress.finished = False  # a finished run restarted with more epochs or steps goes on
     while not training_done():
-        micro_batches = torch.tensor(list(sampler), dtype=torch.long, device=device).split(micro_batch)
+        micro_batches = sampler.index_batches(micro_batch, device)
         steps_left_in_epoch = math.ceil(len(micro_batches) / accumulate)
         bar = logger.progress(steps_per_epoch, initial=steps_per_epoch - steps_left_in_epoch,
                               description=f"epoch {progress.epoch + 1}/{cfg.trainer.epochs}")

@@ -20,6 +20,7 @@ from torchvision.datasets import ImageFolder
 from common.errors import UserError
 from recipes.timm_imagenet.config import DataConfig
 
+
 class UnreadableImage(UserError):
     """An image that does not decode. Stays one line when a DataLoader worker re-raises it
     (PyTorch prefixes the worker's traceback to the message)."""

@@ -48,14 +48,7 @@ from common.sampler import ResumableDistributedSampler
 from common.staging import stage_directory
 from common.summary import write_summary
 from recipes.timm_imagenet import config as _schema  # noqa: F401  (registers the schema)
-from recipes.timm_imagenet.data import (
-    check_layout,
-    describe,
-    eval_transform,
-    image_folder,
-    resolve,
-    train_transform,
-)
+from recipes.timm_imagenet.data import check_layout, describe, eval_transform, image_folder, resolve, train_transform
 from recipes.timm_imagenet.model import build_model
 from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
 
