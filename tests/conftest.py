@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.processes import kill_tree
 from tests.fake_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,36 +45,19 @@ def start_recipe(recipe: str, overrides: list[str], nproc: int = 1,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants. torchrun starts each worker in a session of its own, so
-    killing the launcher's process group would leave the ranks running."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(child) for child in (task / "children").read_text().split()]
-        except FileNotFoundError:
-            continue
-    return [pid] + [descendant for child in children for descendant in process_tree(child)]
-
-
 def kill_run(process: subprocess.Popen) -> None:
-    """SIGKILL a run started by :func:`start_recipe` (launcher, every rank, every data worker), with
-    no clean-up anywhere, and wait until none of its processes can run any more."""
-    pids = process_tree(process.pid)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
+    """SIGKILL a run started by :func:`start_recipe` (launcher, every rank, every data worker),
+    with no clean-up anywhere, and wait until none of its processes can run any more."""
+    killed = kill_tree(process.pid)
     process.wait()
     deadline = time.monotonic() + 30
-    for pid in pids[1:]:
+    for pid in killed - {process.pid}:
         stat = Path(f"/proc/{pid}/stat")
         while time.monotonic() < deadline:
             try:
                 if stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
                     break
-            except (FileNotFoundError, IndexError):
+            except (OSError, IndexError):
                 break
             time.sleep(0.01)
 

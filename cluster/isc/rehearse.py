@@ -21,13 +21,11 @@ write) old at the kill, or when the finished run has no ``summary.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import os
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +37,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from cluster.processes import kill_tree
 from common.errors import EXIT_USER_ERROR, UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,44 +139,9 @@ class Cycle:
         return None if self.newest is None else self.ended_at - self.newest.completed_at
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the process ended while we looked
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants at once, as losing the machine would. torchrun
-    starts its workers in sessions of their own, so killing the process group is not enough;
-    the tree is frozen with SIGSTOP first so nothing escapes by being reparented."""
-    frozen: set[int] = set()
-    while True:
-        tree = {pid, *_descendants(pid)} - frozen
-        if not tree:
-            break
-        for member in tree:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(member, signal.SIGSTOP)
-        frozen |= tree
-    for member in frozen:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(member, signal.SIGKILL)
-
-
 def _run_cycle(command: str, env: dict[str, str], cwd: Path, limit_s: float | None, number: int,
                log: Path) -> Cycle:
-    """Run the command once; after ``limit_s`` seconds SIGKILL its whole process group."""
+    """Run the command once; after ``limit_s`` seconds SIGKILL it and all its descendants."""
     start = time.monotonic()
     resumed: list[int] = []
     with open(log, "w") as out:
@@ -197,7 +161,7 @@ def _run_cycle(command: str, env: dict[str, str], cwd: Path, limit_s: float | No
             process.wait(timeout=limit_s)
             killed = False
         except subprocess.TimeoutExpired:
-            _kill_tree(process.pid)
+            kill_tree(process.pid)
             process.wait()
             killed = True
         ended_at = time.time()
