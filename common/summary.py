@@ -37,3 +37,15 @@ def write_summary(
     tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def where_outputs_are(cfg: Any, summary: Path) -> str:
+    """The lines a finished run prints so its user finds the summary, checkpoints and logs."""
+    best = ""
+    if cfg.checkpoint.keep_best and cfg.checkpoint.best_metric:
+        best = f"  (best by {cfg.checkpoint.best_metric}: see its 'best' file)"
+    return (
+        f"  summary:      {summary}\n"
+        f"  checkpoints:  {Path(cfg.checkpoint.dir)}{best}\n"
+        f"  tensorboard:  {Path(cfg.logging.dir)}  (tensorboard --logdir {cfg.logging.dir})"
+    )

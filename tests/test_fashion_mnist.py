@@ -40,7 +40,9 @@ def test_end_to_end_writes_summary_checkpoints_and_tensorboard(fashion_data: Pat
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "checkpoints" / "latest").is_file()
     assert (run_dir / ".hydra" / "config.yaml").is_file()
-    assert str(run_dir / "summary.json") in result.stdout
+    for line in (f"summary:      {run_dir / 'summary.json'}", f"checkpoints:  {run_dir / 'checkpoints'}",
+                 f"tensorboard:  {run_dir / 'tensorboard'}"):
+        assert line in result.stdout
 
     again = run_recipe(RECIPE, overrides(fashion_data, run_dir, "trainer.epochs=3"))
     assert_ok(again)

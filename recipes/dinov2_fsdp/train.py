@@ -43,7 +43,7 @@ from common.optim import accumulation_steps, param_groups, scaled_lr, warmup_cos
 from common.precision import autocast
 from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
-from common.summary import write_summary
+from common.summary import where_outputs_are, write_summary
 from recipes.dinov2_fsdp import config as _schema  # noqa: F401  (registers the schema)
 from recipes.dinov2_fsdp.data import augment, to_model_input
 from recipes.dinov2_fsdp.model import build_model, shard_with_fsdp
@@ -314,9 +314,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         )
         logger.console(
             f"done: eval accuracy {eval_metrics['eval/accuracy']:.4f} after {progress.step} steps\n"
-            f"  summary:      {summary}\n"
-            f"  checkpoints:  {Path(cfg.checkpoint.dir)}\n"
-            f"  tensorboard:  {Path(cfg.logging.dir)}  (tensorboard --logdir {cfg.logging.dir})"
+            + where_outputs_are(cfg, summary)
         )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +29,7 @@ from common.optim import accumulation_steps, param_groups, scaled_lr, warmup_cos
 from common.precision import autocast, grad_scaler
 from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
-from common.summary import write_summary
+from common.summary import where_outputs_are, write_summary
 from recipes.fashion_mnist import config as _schema  # noqa: F401  (registers the schema)
 from recipes.fashion_mnist.data import augment, load_split, normalize
 from recipes.fashion_mnist.model import build_model
@@ -230,9 +229,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         )
         logger.console(
             f"done: eval accuracy {eval_metrics['eval/accuracy']:.4f} after {progress.step} steps\n"
-            f"  summary:      {summary}\n"
-            f"  checkpoints:  {Path(cfg.checkpoint.dir)}\n"
-            f"  tensorboard:  {Path(cfg.logging.dir)}  (tensorboard --logdir {cfg.logging.dir})"
+            + where_outputs_are(cfg, summary)
         )
 
 

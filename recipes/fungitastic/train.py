@@ -37,7 +37,7 @@ from common.optim import accumulation_steps, scaled_lr, warmup_cosine
 from common.precision import autocast, grad_scaler
 from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
-from common.summary import write_summary
+from common.summary import where_outputs_are, write_summary
 from recipes.fungitastic import config as _schema  # noqa: F401  (registers the schema)
 from recipes.fungitastic import metadata
 from recipes.fungitastic.data import FungiImages, Split, eval_transform, load_split, normalize, train_transform
@@ -341,9 +341,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         logger.console(
             f"done: {final} {ranks[0]} top-1 {eval_metrics[f'{final}/{ranks[0]}/top1']:.4f}, macro-F1 "
             f"{eval_metrics[f'{final}/{ranks[0]}/f1']:.4f} after {progress.step} steps\n"
-            f"  summary:      {summary}\n"
-            f"  checkpoints:  {Path(cfg.checkpoint.dir)}  (best by {cfg.checkpoint.best_metric}: see its 'best' file)\n"
-            f"  tensorboard:  {Path(cfg.logging.dir)}  (tensorboard --logdir {cfg.logging.dir})"
+            + where_outputs_are(cfg, summary)
         )
 
 

@@ -46,7 +46,7 @@ from common.precision import autocast, grad_scaler
 from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
 from common.staging import stage_directory
-from common.summary import write_summary
+from common.summary import where_outputs_are, write_summary
 from recipes.timm_imagenet import config as _schema  # noqa: F401  (registers the schema)
 from recipes.timm_imagenet.data import check_layout, describe, eval_transform, image_folder, resolve, train_transform
 from recipes.timm_imagenet.model import build_model
@@ -343,9 +343,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         logger.console(
             f"done: eval top-1 {eval_metrics['eval/top1']:.4f}, top-5 {eval_metrics['eval/top5']:.4f} "
             f"after {progress.step} steps\n"
-            f"  summary:      {summary}\n"
-            f"  checkpoints:  {Path(cfg.checkpoint.dir)}\n"
-            f"  tensorboard:  {Path(cfg.logging.dir)}  (tensorboard --logdir {cfg.logging.dir})"
+            + where_outputs_are(cfg, summary)
         )
 
 

@@ -12,7 +12,6 @@ the step, checkpoint and exit with code 75; a finished run writes ``summary.json
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -31,7 +30,7 @@ from common.optim import accumulation_steps, scaled_lr
 from common.precision import autocast, grad_scaler
 from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
-from common.summary import write_summary
+from common.summary import where_outputs_are, write_summary
 from recipes.tv_segmentation import config as _schema  # noqa: F401  (registers the schema)
 from recipes.tv_segmentation.data import (
     VOC_CLASSES,
@@ -257,9 +256,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         logger.console(
             f"done: eval mIoU {eval_metrics['eval/miou']:.4f}, pixel accuracy "
             f"{eval_metrics['eval/pixel_accuracy']:.4f} after {progress.step} steps\n"
-            f"  summary:      {summary}\n"
-            f"  checkpoints:  {Path(cfg.checkpoint.dir)}\n"
-            f"  tensorboard:  {Path(cfg.logging.dir)}  (tensorboard --logdir {cfg.logging.dir})"
+            + where_outputs_are(cfg, summary)
         )
 
 
