@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from tests.conftest import REPO
 
 KILLED_MID_WRITE = textwrap.dedent(
     """
-    import sys, threading
+    import os, sys, threading
     import torch
     import common.checkpoint as checkpoint_module
     from common.checkpoint import CheckpointManager
@@ -36,14 +35,14 @@ KILLED_MID_WRITE = textwrap.dedent(
     def write_one_chunk_then_hang(self, data):
         written = real_write(self, data)
         self.flush()
-        print("PARTIAL", flush=True)
+        os.write(1, b"PARTIAL\\n")  # one write: the two threads' lines never interleave
         threading.Event().wait()
         return written
     checkpoint_module._HashingWriter.write = write_one_chunk_then_hang
 
     state = {"weights": torch.arange(300_000, dtype=torch.float32) * 2, "step": 2}
     manager.save(2, state, {"eval/accuracy": 0.9})
-    print("RETURNED", flush=True)  # save() came back while its write is still going on
+    os.write(1, b"RETURNED\\n")  # save() came back while its write is still going on
     state["weights"].zero_()  # the loop goes on changing the live tensors
     threading.Event().wait()
     """
@@ -51,14 +50,19 @@ KILLED_MID_WRITE = textwrap.dedent(
 
 
 def read_until(process: subprocess.Popen, markers: set[str], timeout: float = 120) -> None:
-    """Read the child's stdout until every marker was printed (the child blocks afterwards)."""
-    deadline = time.monotonic() + timeout
+    """Read the child's stdout until every marker was printed (the child blocks afterwards);
+    a child still silent after ``timeout`` seconds is killed, which ends the read."""
+    watchdog = threading.Timer(timeout, process.kill)
+    watchdog.start()
     seen: set[str] = set()
-    while seen != markers:
-        assert time.monotonic() < deadline, f"only {seen} of {markers} within {timeout} s"
-        line = process.stdout.readline()
-        assert line, f"the child exited with code {process.wait()} after {seen}: {process.stderr.read()[-2000:]}"
-        seen |= {line.strip()} & markers
+    try:
+        while seen != markers:
+            line = process.stdout.readline()
+            assert line, (f"only {seen} of {markers}; the child exited with code {process.wait()} "
+                          f"(killed after {timeout} s if -9): {process.stderr.read()[-2000:]}")
+            seen |= {line.strip()} & markers
+    finally:
+        watchdog.cancel()
 
 
 def test_a_crash_during_the_background_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
