@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.conftest import REPO, recipe_env
 
-COPIED = ["common", "conf", "recipes", "data_prep", "tools", "tests", "Makefile", "pyproject.toml"]
+COPIED = ["common", "conf", "recipes", "data_prep", "tools", "tests", "cluster", "Makefile", "pyproject.toml"]
 
 
 def make_sandbox(tmp_path: Path) -> Path:
