@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -245,6 +245,8 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         return progress.epoch >= cfg.trainer.epochs or progress.step >= total_steps
 
     # ---- training loop --------------------------------------------------------------------
+    # The step reads plain dataclass copies of its settings: a DictConfig lookup costs about 20 µs.
+    trainer_cfg = OmegaConf.to_object(cfg.trainer)
     model.train()
     if not training_done():
         progress.finished = False  # a finished run restarted with more epochs or steps goes on
@@ -252,18 +254,18 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         batches = iter(train_loader)  # the rest of this epoch, from the sampler's position
         steps_left_in_epoch = math.ceil(len(train_loader) / accumulate)
         bar = logger.progress(steps_per_epoch, initial=steps_per_epoch - steps_left_in_epoch,
-                              description=f"epoch {progress.epoch + 1}/{cfg.trainer.epochs}")
+                              description=f"epoch {progress.epoch + 1}/{trainer_cfg.epochs}")
         for _ in range(steps_left_in_epoch):
             group = list(itertools.islice(batches, accumulate))
             group_samples = sum(len(labels) for _, labels in group)
             for i, (images, labels) in enumerate(group):
                 x = normalize(images.to(device, non_blocking=True), *stats)
-                if cfg.trainer.channels_last:
+                if trainer_cfg.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
                 labels = labels.to(device, non_blocking=True)
                 skip_grad_sync = dist_info.distributed and i < len(group) - 1
                 with model.no_sync() if skip_grad_sync else contextlib.nullcontext():
-                    with autocast(device, cfg.trainer.precision):
+                    with autocast(device, trainer_cfg.precision):
                         outputs = forward(x)
                         loss = criterion(outputs, labels)
                     scaler.scale(loss * (len(labels) / group_samples)).backward()
@@ -272,9 +274,9 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                 known = {f"count_{rank}": (labels[:, column] != metadata.UNKNOWN).sum()
                          for column, rank in enumerate(ranks)}
                 train_sums.add(loss=loss.detach() * len(labels), count=len(labels), **hits, **known)
-            if cfg.trainer.grad_clip_norm:
+            if trainer_cfg.grad_clip_norm:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -283,7 +285,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
             progress.step += 1
             bar.update()
 
-            if progress.step % cfg.trainer.log_every_steps == 0:
+            if progress.step % trainer_cfg.log_every_steps == 0:
                 sums = train_sums.reduce()
                 train_sums.reset()
                 metrics = {"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0],
@@ -308,7 +310,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
             progress.epoch += 1
             sampler.set_epoch(progress.epoch)
             if not training_done():
-                due = progress.epoch % cfg.trainer.eval_every_epochs == 0
+                due = progress.epoch % trainer_cfg.eval_every_epochs == 0
                 save(run_eval("val") if due else None)
 
     # ---- finish: final validation and test evaluation and checkpoint, then summary.json ------
