@@ -129,6 +129,60 @@ def test_preempted_sbatch_requeues_resumes_and_matches_uninterrupted_digest(slur
     assert result["model_digest"] == summary(alone["run_dir"])["model_digest"]
 
 
+# ---- SLURM: a Hydra sweep through hydra-submitit-launcher -----------------------------------
+
+@pytest.mark.slurm
+def test_submitit_sweep_requeues_a_signalled_job_which_resumes_to_the_same_digest(
+    slurm_env: dict[str, str], tmp_path: Path,
+):
+    """Two sweep points that train the same model (they differ only in how often they log).
+
+    The first gets the time-limit signal submitit asks SLURM for (USR2) mid-run: submitit
+    requeues it and exits, and the requeued job resumes from its newest periodic checkpoint in
+    the same directory and ends with the same weights as the job left alone.
+    """
+    data = write_fashion_mnist(tmp_path / "data")
+    sweep_dir = tmp_path / "sweep"
+    command = [
+        sys.executable, "-m", "recipes.fashion_mnist.train", "-m", "hydra/launcher=slurm",
+        "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
+        f"hydra.sweep.dir={sweep_dir}", f"data.root={data}", "trainer.epochs=4", "checkpoint.every_steps=1",
+        *TINY, "trainer.log_every_steps=1,4",
+    ]
+    sweep = subprocess.Popen(command, cwd=REPO, env=clean_env(**slurm_env), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        signalled = None
+        while signalled is None:
+            assert sweep.poll() is None, sweep.communicate()[0]
+            assert time.monotonic() < deadline, "the first sweep job wrote no checkpoint at step 2 within 240 s"
+            for latest in sweep_dir.rglob("checkpoints/latest"):
+                if "trainer.log_every_steps=1" in str(latest) and latest_step(latest.parent) >= 2:
+                    signalled = latest.parents[1], latest_step(latest.parent)
+            time.sleep(0.2)
+        first_job = next(sweep_dir.glob(".submitit/*_0")).name  # array task 0: the first sweep point
+        subprocess.run(["scancel", "--signal=USR2", first_job], env=clean_env(**slurm_env), check=True)
+        output = sweep.communicate(timeout=420)[0]
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+
+    assert sweep.returncode == 0, output
+    run_dirs = sorted(path.parent for path in sweep_dir.rglob("summary.json"))
+    assert len(run_dirs) == 2, run_dirs
+    (signalled_dir, signalled_at_step), (other_dir,) = signalled, [d for d in run_dirs if d != signalled[0]]
+    assert signalled_dir in run_dirs
+    log = (sweep_dir / ".submitit" / first_job / f"{first_job}_0_log.err").read_text()
+    # With a 10-minute limit submitit guarantees no run time, so any USR2 counts as the time limit.
+    assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log and "DUE TO JOB REQUEUE" in log, log
+    assert sc.job_restart_count(first_job, env=slurm_env) == 1
+    resumed, alone = summary(signalled_dir), summary(other_dir)
+    assert signalled_at_step < 32 and resumed["steps"] == alone["steps"] == 32
+    assert resumed["resumes"] == 1 and alone["resumes"] == 0
+    assert resumed["model_digest"] == alone["model_digest"]
+
+
 # ---- cluster/launch.sh: two simulated nodes on this machine ---------------------------------
 
 def launch(args: list[str], log_dir: Path, **env: str) -> subprocess.Popen:
