@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from recipes.tv_segmentation.coco import voc_palette  # the masks' colours; labels are the indices
+
 
 def write_idx(path: Path, array: np.ndarray) -> Path:
     """An IDX file of unsigned bytes (the MNIST/Fashion-MNIST format)."""
@@ -66,21 +68,6 @@ def write_cifar100_tarball(path: Path, n_train: int = 48, n_test: int = 16, seed
             info.size = len(payload)
             tar.addfile(info, io.BytesIO(payload))
     return path
-
-
-def voc_palette() -> list[int]:
-    """The Pascal VOC colour map: 256 RGB entries, index i's colour from the bits of i."""
-    palette = []
-    for index in range(256):
-        red = green = blue = 0
-        value = index
-        for bit in range(8):
-            red |= ((value >> 0) & 1) << (7 - bit)
-            green |= ((value >> 1) & 1) << (7 - bit)
-            blue |= ((value >> 2) & 1) << (7 - bit)
-            value >>= 3
-        palette += [red, green, blue]
-    return palette
 
 
 def _object_image(rng: np.random.Generator, height: int, width: int, boxes: list[tuple[int, int, int, int, int]]):
