@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 def recipe_env(**extra: str) -> dict[str, str]:
     """The environment recipes run in during tests: offline, 1 thread per process, no ISC paths."""
     env = {key: value for key, value in os.environ.items()
-           if key not in ("CHECKPOINT_ARTIFACT_PATH", "LOSSY_ARTIFACT_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+           if key not in ("CHECKPOINT_ARTIFACT_PATH", "LOSSY_ARTIFACT_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                          "MASTER_ADDR", "MASTER_PORT")}
     env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra})
     return env
 
@@ -65,7 +66,7 @@ def kill_run(process: subprocess.Popen) -> None:
 def latest_step(checkpoint_dir: Path) -> int:
     try:
         return int((checkpoint_dir / "latest").read_text().strip().split("_")[1])
-    except (FileNotFoundError, IndexError, ValueError):
+    except (OSError, IndexError, ValueError):
         return -1
 
 

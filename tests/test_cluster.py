@@ -6,7 +6,6 @@ root); without them they are skipped, and with REQUIRE_SLURM=1 (CI) they fail in
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests import slurm_cluster as sc
+from tests.conftest import latest_step, read_summary, recipe_env
 from tests.fake_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,23 +29,8 @@ SHELL_SCRIPTS = sorted(
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """The test's environment without ISC or torchrun variables, one thread per process."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("CHECKPOINT_ARTIFACT_PATH", "LOSSY_ARTIFACT_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                          "MASTER_ADDR", "MASTER_PORT")}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHON": sys.executable, **extra})
-    return env
-
-
-def latest_step(checkpoints: Path) -> int:
-    try:
-        return int((checkpoints / "latest").read_text().strip().split("_")[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
+    """The recipes' test environment, plus the interpreter the cluster scripts run (PYTHON)."""
+    return recipe_env(PYTHON=sys.executable, **extra)
 
 
 def free_port() -> int:
@@ -104,7 +89,7 @@ def test_fashion_mnist_sbatch_runs_to_completion(slurm_runs: dict):
     alone = slurm_runs["alone"]
     assert alone["state"] == "COMPLETED", alone["output"]
     assert alone["restarts"] == 0
-    result = summary(alone["run_dir"])
+    result = read_summary(alone["run_dir"])
     assert result["steps"] == 32 and result["epochs"] == 4 and result["resumes"] == 0
     assert "training finished" in alone["output"]
     node_local = alone["tmp"] / "node-local"
@@ -123,10 +108,10 @@ def test_preempted_sbatch_requeues_resumes_and_matches_uninterrupted_digest(slur
     second, resumed = output.index("start (restart 1)"), output.index("resumed from")
     assert first < stop < second < resumed < output.index("training finished"), output
     assert "received SIGUSR1: checkpoint saved" in output
-    result = summary(preempted["run_dir"])
+    result = read_summary(preempted["run_dir"])
     assert result["resumes"] == 1 and result["steps"] == 32
     assert preempted["signalled_at_step"] < 32
-    assert result["model_digest"] == summary(alone["run_dir"])["model_digest"]
+    assert result["model_digest"] == read_summary(alone["run_dir"])["model_digest"]
 
 
 # ---- SLURM: a Hydra sweep through hydra-submitit-launcher -----------------------------------
@@ -177,7 +162,7 @@ def test_submitit_sweep_requeues_a_signalled_job_which_resumes_to_the_same_diges
     # With a 10-minute limit submitit guarantees no run time, so any USR2 counts as the time limit.
     assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log and "DUE TO JOB REQUEUE" in log, log
     assert sc.job_restart_count(first_job, env=slurm_env) == 1
-    resumed, alone = summary(signalled_dir), summary(other_dir)
+    resumed, alone = read_summary(signalled_dir), read_summary(other_dir)
     assert signalled_at_step < 32 and resumed["steps"] == alone["steps"] == 32
     assert resumed["resumes"] == 1 and alone["resumes"] == 0
     assert resumed["model_digest"] == alone["model_digest"]
@@ -206,7 +191,7 @@ def test_launch_two_nodes_with_c10d_rendezvous_trains_to_completion(tmp_path: Pa
     assert "preflight: master port: port" in outputs[0]
     assert "preflight: master reachable" in outputs[1]
     assert "all-reduce (gloo) across 2 ranks: ok" in outputs[0]
-    result = summary(run_dir)
+    result = read_summary(run_dir)
     assert result["world_size"] == 2 and result["steps"] == 6
     for rank in (0, 1):
         latest = tmp_path / "logs" / f"latest_node{rank}.log"
