@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.processes import kill_tree
+from tests import slurm_cluster as sc
 from tests.fake_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,3 +104,17 @@ def repo() -> Path:
 def fashion_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Fashion-MNIST in the original IDX format (256 train, 64 test images)."""
     return write_fashion_mnist(tmp_path_factory.mktemp("fashion_mnist"))
+
+
+@pytest.fixture(scope="session")
+def slurm_env(tmp_path_factory: pytest.TempPathFactory):
+    """One real local SLURM cluster for the whole session (skipped, or failed under REQUIRE_SLURM=1, without it)."""
+    sc.require_slurm_or_skip()
+    with sc.running_local_slurm(tmp_path_factory.mktemp("slurm")) as env:
+        yield env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,17 +1,8 @@
 """Start a real one-node SLURM cluster for tests, and talk to it.
 
-This is a helper module, not a test module. A module- or session-scoped fixture
-typically does::
-
-    import slurm_cluster as sc
-
-    @pytest.fixture(scope="module")
-    def slurm_env(tmp_path_factory):
-        sc.require_slurm_or_skip()
-        with sc.running_local_slurm(tmp_path_factory.mktemp("slurm")) as env:
-            yield env
-
-and tests then call ``sc.sbatch(...)`` and ``sc.wait_for_job(...)``.
+This is a helper module, not a test module. The session fixture ``slurm_env`` in
+``tests/conftest.py`` starts one cluster with ``running_local_slurm``; tests take
+that fixture and call ``sc.sbatch(...)`` and ``sc.wait_for_job(...)``.
 
 The cluster comes from ``cluster/slurm/local_cluster.sh`` (Debian's
 ``slurm-wlm`` and ``munge``, run as root). It has no accounting storage, so job

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import slurm_cluster as sc
-from tests.conftest import latest_step, read_summary, recipe_env
+from tests.conftest import free_port, latest_step, read_summary, recipe_env
 from tests.fake_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,20 +32,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     return recipe_env(PYTHON=sys.executable, **extra)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # ---- SLURM: the real fashion_mnist sbatch file ----------------------------------------------
-
-@pytest.fixture(scope="module")
-def slurm_env(tmp_path_factory: pytest.TempPathFactory):
-    sc.require_slurm_or_skip()
-    with sc.running_local_slurm(tmp_path_factory.mktemp("slurm")) as env:
-        yield env
-
 
 @pytest.fixture(scope="module")
 def slurm_runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,12 +15,7 @@ from common.errors import UserError
 from common.metrics import SumMetrics, ratio
 from common.optim import accumulation_steps, scaled_lr
 from common.preemption import CheckpointCadence, StopFlag
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.conftest import free_port
 
 
 def test_torchrun_variables_win(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,19 +11,9 @@ from pathlib import Path
 
 import pytest
 
-try:
-    from tests import slurm_cluster as sc
-except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    import slurm_cluster as sc
+from tests import slurm_cluster as sc
 
 pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(scope="module")
-def slurm_env(tmp_path_factory: pytest.TempPathFactory):
-    sc.require_slurm_or_skip()
-    with sc.running_local_slurm(tmp_path_factory.mktemp("slurm")) as env:
-        yield env
 
 
 def test_wrap_job_completes_and_writes_output(slurm_env, tmp_path: Path):
