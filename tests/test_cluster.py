@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests import slurm_cluster as sc
-from tests.conftest import free_port, latest_step, read_summary, recipe_env
+from tests.conftest import REPO, free_port, latest_step, read_summary, recipe_env
 from tests.fake_data import write_fashion_mnist
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=32", "logging.backend=none",
         "logging.progress_bar=false"]
 SHELL_SCRIPTS = sorted(
@@ -142,8 +141,9 @@ def test_submitit_sweep_requeues_a_signalled_job_which_resumes_to_the_same_diges
     assert sweep.returncode == 0, output
     run_dirs = sorted(path.parent for path in sweep_dir.rglob("summary.json"))
     assert len(run_dirs) == 2, run_dirs
-    (signalled_dir, signalled_at_step), (other_dir,) = signalled, [d for d in run_dirs if d != signalled[0]]
-    assert signalled_dir in run_dirs
+    signalled_dir, signalled_at_step = signalled
+    assert signalled_dir in run_dirs, run_dirs
+    (other_dir,) = [d for d in run_dirs if d != signalled_dir]
     log = (sweep_dir / ".submitit" / first_job / f"{first_job}_0_log.err").read_text()
     # With a 10-minute limit submitit guarantees no run time, so any USR2 counts as the time limit.
     assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log and "DUE TO JOB REQUEUE" in log, log
