@@ -11,6 +11,8 @@ RECIPES := $(notdir $(patsubst %/,%,$(dir $(wildcard recipes/*/train.py))))
 ARGS ?=
 NPROC ?= 1
 SOURCE ?=
+WEIGHTS ?=
+EXPERIMENT ?=
 PYTEST_ARGS ?=
 
 .PHONY: help setup lint test bench new-recipe doctor isc-rehearse clean FORCE
@@ -31,8 +33,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 
-prep-%: $(STAMP) FORCE ## Prepare a recipe's data (SOURCE=<dir or file> to use a local copy)
-	$(PY) -m data_prep.$* $(if $(SOURCE),--source "$(SOURCE)")
+prep-%: $(STAMP) FORCE ## Prepare a recipe's data and pretrained weights (SOURCE=, WEIGHTS=<dir or file>, EXPERIMENT=<preset>)
+	$(PY) -m data_prep.$* $(if $(SOURCE),--source "$(SOURCE)") $(if $(WEIGHTS),--weights "$(WEIGHTS)") \
+		$(if $(EXPERIMENT),"+experiment=$(EXPERIMENT)")
 
 train-fashion_mnist: prep-fashion_mnist
 
