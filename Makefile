@@ -61,8 +61,9 @@ new-recipe: $(STAMP) ## Copy a recipe with its config and tests: NAME=x [FROM=fa
 doctor: $(STAMP) ## Check this machine as cluster/launch.sh would: Python env, GPUs, configs, data, TCP, all-reduce
 	$(PY) -m cluster.doctor $(ARGS)
 
-isc-rehearse: $(STAMP) ## Rehearse ISC rapid cycling locally: RECIPE=r [CYCLES=5] [CYCLE_S=90] [ARGS="--data DIR -- overrides"]
-	$(PY) -m cluster.isc.rehearse "cluster/isc/$(RECIPE).isc" --cycles "$(or $(CYCLES),5)" --cycle-seconds "$(or $(CYCLE_S),90)" $(ARGS)
+isc-rehearse: $(STAMP) ## Rehearse an ISC experiment with its artifact sync: RECIPE=r [CYCLES=5] [CYCLE_S=90] [SYNC_S=600] [ARGS="--data DIR -- overrides"]
+	$(PY) -m cluster.isc.rehearse "cluster/isc/$(RECIPE).isc" --cycles "$(or $(CYCLES),5)" --cycle-seconds "$(or $(CYCLE_S),90)" \
+		$(if $(SYNC_S),--sync-seconds "$(SYNC_S)") $(ARGS)
 
 clean: ## Remove runs/, outputs/ and caches (keeps data/ and .venv)
 	rm -rf runs outputs multirun .pytest_cache
