@@ -145,8 +145,7 @@ def committed_checkpoints(directory: str | Path) -> list[CheckpointDir]:
 def latest_checkpoint(directory: str | Path) -> CheckpointDir | None:
     """The checkpoint the symlink points at, with its manifest; None if there is none (yet)."""
     target = latest_name(directory)
-    match = next((found_dir for found_dir in committed_checkpoints(directory) if found_dir.path.name == target), None)
-    return match
+    return next((found_dir for found_dir in committed_checkpoints(directory) if found_dir.path.name == target), None)
 
 
 def best_checkpoint(checkpoints: list[CheckpointDir], metric: str | None, mode: str) -> CheckpointDir | None:
