@@ -11,6 +11,8 @@ RECIPES := $(notdir $(patsubst %/,%,$(dir $(wildcard recipes/*/train.py))))
 ARGS ?=
 NPROC ?= 1
 SOURCE ?=
+WEIGHTS ?=
+EXPERIMENT ?=
 PYTEST_ARGS ?=
 
 .PHONY: help setup lint test bench new-recipe doctor isc-rehearse clean FORCE
@@ -31,8 +33,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 
-prep-%: $(STAMP) FORCE ## Prepare a recipe's data (SOURCE=<dir or file> to use a local copy)
-	$(PY) -m data_prep.$* $(if $(SOURCE),--source "$(SOURCE)")
+prep-%: $(STAMP) FORCE ## Prepare a recipe's data and pretrained weights (SOURCE=, WEIGHTS=<dir or file>, EXPERIMENT=<preset>)
+	$(PY) -m data_prep.$* $(if $(SOURCE),--source "$(SOURCE)") $(if $(WEIGHTS),--weights "$(WEIGHTS)") \
+		$(if $(EXPERIMENT),"+experiment=$(EXPERIMENT)")
 
 train-fashion_mnist: prep-fashion_mnist
 
@@ -58,8 +61,9 @@ new-recipe: $(STAMP) ## Copy a recipe with its config and tests: NAME=x [FROM=fa
 doctor: $(STAMP) ## Check this machine as cluster/launch.sh would: Python env, GPUs, configs, data, TCP, all-reduce
 	$(PY) -m cluster.doctor $(ARGS)
 
-isc-rehearse: $(STAMP) ## Rehearse ISC rapid cycling locally: RECIPE=r [CYCLES=5] [CYCLE_S=90] [ARGS="--data DIR -- overrides"]
-	$(PY) -m cluster.isc.rehearse "cluster/isc/$(RECIPE).isc" --cycles "$(or $(CYCLES),5)" --cycle-seconds "$(or $(CYCLE_S),90)" $(ARGS)
+isc-rehearse: $(STAMP) ## Rehearse an ISC experiment with its artifact sync: RECIPE=r [CYCLES=5] [CYCLE_S=90] [SYNC_S=600] [ARGS="--data DIR -- overrides"]
+	$(PY) -m cluster.isc.rehearse "cluster/isc/$(RECIPE).isc" --cycles "$(or $(CYCLES),5)" --cycle-seconds "$(or $(CYCLE_S),90)" \
+		$(if $(SYNC_S),--sync-seconds "$(SYNC_S)") $(ARGS)
 
 clean: ## Remove runs/, outputs/ and caches (keeps data/ and .venv)
 	rm -rf runs outputs multirun .pytest_cache

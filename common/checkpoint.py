@@ -1,26 +1,38 @@
-"""Atomic checkpoints with verification, fallback, retention and optional background writes.
+"""Atomic checkpoints in cycling_utils' AtomicDirectory layout: verified, with fallback and retention.
 
-Layout of a checkpoint directory::
+One layout everywhere, the one the Strong Compute ISC's Checkpoint Artifacts ship::
 
     checkpoints/
-      latest                  text: name of the newest complete checkpoint (for people and tools)
-      best                    text: name of the best checkpoint by the chosen metric
-      step_000001200/
-        state.pt              everything that is not sharded (torch.save, loaded with weights_only)
-        sharded/              optional: torch.distributed.checkpoint files (FSDP)
-        manifest.json         written last: sha256 and size of every file, step, metrics
+      AtomicDirectory_checkpoint_6_force/   the best by the chosen metric, or a stage milestone
+      AtomicDirectory_checkpoint_7/
+        state.pt          everything that is not sharded (torch.save, loaded with weights_only)
+        sharded/          optional: torch.distributed.checkpoint files (FSDP), every rank's shards
+        manifest.json     written last: step, metrics, sha256 and size of every file
+      AtomicDirectory.latest_checkpoint -> /abs/path/checkpoints/AtomicDirectory_checkpoint_7
 
-A checkpoint is written into ``.tmp-step_...``, every file and the directory are fsynced, the
-manifest (the completion marker) is written and fsynced, and only then is the directory
-renamed into place and the parent fsynced. A crash at any point leaves either the complete
-new checkpoint or a ``.tmp-`` directory that loading ignores. Old checkpoints are pruned only
-after a newer one is complete, and the newest complete one is never pruned. Saving a step
-that already has a checkpoint (a recipe saves on an epoch's last step, then again after the
-epoch's evaluation) moves the old one aside to ``.replaced-step_...`` first; if a crash comes
-before the new one is in place, the next manager moves the old one back.
+``N`` counts saves (the step is in the manifest), so a step saved twice (an epoch's last step,
+then again with the epoch's evaluation) is simply a newer directory and nothing is replaced. A
+save is written into ``.tmp-checkpoint_<N>`` (a name that neither the ISC nor AtomicDirectory
+takes for a checkpoint); every file and the directory are fsynced, the manifest is written and
+fsynced, the directory is verified (every file present with the size the manifest records) and
+renamed into place, and only then does the symlink move: a new one is made as
+``AtomicDirectory.latest_checkpoint_temp`` and ``os.replace``d onto the old one. The symlink is
+the commit point: a crash anywhere before it leaves the previous checkpoint as the latest, and a
+directory above the symlink's ``N`` that is not ``_force`` was never committed and is deleted
+when the next manager starts (AtomicDirectory's own rule). The symlink's target is absolute, as
+AtomicDirectory writes it; readers here resolve it by its directory name inside the folder, so a
+folder restored or downloaded to another path resumes all the same.
 
-Loading verifies the manifest's digests; a damaged checkpoint is reported and the next older
-valid one is used.
+At an ISC sync only the symlink's target and the ``_force`` directories are shipped; the ISC
+deletes the rest. So a checkpoint is named ``_force`` when its metric beats every earlier one
+(the best is then always kept) or when the recipe marks it as a milestone. With ``keep_last=-1``
+(:data:`KEEP_ALL`, used when the folder is ``CHECKPOINT_ARTIFACT_PATH``) nothing is pruned here;
+otherwise, after each commit, the ``keep_last`` newest steps, the best and the milestones stay and
+older directories are deleted (a directory replaced by a newer one of the same step first).
+
+Loading verifies the manifest's digests, starting from the symlink's target; a damaged checkpoint
+is reported and the next older valid one is used. Without a symlink (a checkpoint directory
+downloaded on its own) the highest ``N`` comes first.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import threading
@@ -42,21 +55,113 @@ import torch
 import torch.distributed as dist
 
 from common import distributed
+from common.errors import UserError
 
+NAME = "AtomicDirectory"  # cycling_utils' default saver name, so ISC tools and AtomicDirectory readers agree
+LATEST = f"{NAME}.latest_checkpoint"
+LATEST_TEMP = f"{LATEST}_temp"
+CHECKPOINT_DIR = re.compile(rf"^{NAME}_checkpoint_(\d+)(_force)?$")
+TMP_PREFIX = ".tmp-"
 STATE_FILE = "state.pt"
 SHARDED_DIR = "sharded"
 MANIFEST_FILE = "manifest.json"
-PREFIX = "step_"
-TMP_PREFIX = ".tmp-"
-REPLACED_PREFIX = ".replaced-"
+KEEP_ALL = -1
+ARTIFACT_PATH_VARIABLE = "CHECKPOINT_ARTIFACT_PATH"
 
 
 def report_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def checkpoint_name(step: int) -> str:
-    return f"{PREFIX}{step:09d}"
+def checkpoint_dir_name(index: int, force: bool = False) -> str:
+    return f"{NAME}_checkpoint_{index}{'_force' if force else ''}"
+
+
+@dataclass(frozen=True)
+class CheckpointDir:
+    """A directory whose name follows the layout; ``manifest`` is None until it is read."""
+
+    path: Path
+    index: int
+    force: bool
+    manifest: dict[str, Any] | None = None
+
+    @property
+    def step(self) -> int:
+        return self.manifest["step"]
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return self.manifest.get("metrics", {})
+
+
+def checkpoint_dirs(directory: str | Path) -> list[CheckpointDir]:
+    """Every directory named ``<NAME>_checkpoint_<N>[_force]`` in ``directory``, by ``N``."""
+    found = []
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        match = CHECKPOINT_DIR.match(entry.name)
+        if match and entry.is_dir(follow_symlinks=False):
+            found.append(CheckpointDir(Path(entry.path), int(match.group(1)), match.group(2) is not None))
+    return sorted(found, key=lambda found_dir: (found_dir.index, found_dir.force))
+
+
+def latest_name(directory: str | Path) -> str | None:
+    """The directory name the symlink points at (None without a symlink). Only the name counts:
+    the link's absolute target may be a path of another machine or an earlier ISC cycle."""
+    try:
+        return Path(os.readlink(Path(directory) / LATEST)).name
+    except OSError:  # no symlink (FileNotFoundError), or a file that is not one
+        return None
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("step"), int) else None
+
+
+def committed_checkpoints(directory: str | Path) -> list[CheckpointDir]:
+    """The committed checkpoints with a readable manifest (not verified), oldest first: the
+    symlink's target and every directory below its ``N``; all of them when there is no symlink."""
+    found = checkpoint_dirs(directory)
+    target = latest_name(directory)
+    limit = next((found_dir.index for found_dir in found if found_dir.path.name == target), None)
+    committed = []
+    for found_dir in found:
+        if limit is not None and found_dir.index > limit:
+            continue
+        manifest = _read_manifest(found_dir.path)
+        if manifest is not None:
+            committed.append(CheckpointDir(found_dir.path, found_dir.index, found_dir.force, manifest))
+    return committed
+
+
+def latest_checkpoint(directory: str | Path) -> CheckpointDir | None:
+    """The checkpoint the symlink points at, with its manifest; None if there is none (yet)."""
+    target = latest_name(directory)
+    return next((found_dir for found_dir in committed_checkpoints(directory) if found_dir.path.name == target), None)
+
+
+def best_checkpoint(checkpoints: list[CheckpointDir], metric: str | None, mode: str) -> CheckpointDir | None:
+    """The first checkpoint with the best value of ``metric`` (``mode`` max or min)."""
+    scored = [found_dir for found_dir in checkpoints if metric is not None and metric in found_dir.metrics]
+    if not scored:
+        return None
+    pick = max if mode == "max" else min
+    return pick(scored, key=lambda found_dir: found_dir.metrics[metric])
+
+
+def is_artifact_path(directory: str | Path) -> bool:
+    """True when ``directory`` is the ISC's ``CHECKPOINT_ARTIFACT_PATH``, where the ISC, not the
+    recipe, decides what is deleted."""
+    artifact_path = os.environ.get(ARTIFACT_PATH_VARIABLE)
+    return bool(artifact_path) and os.path.abspath(directory) == os.path.abspath(artifact_path)
 
 
 class _HashingWriter:
@@ -91,16 +196,6 @@ def _file_digest(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 22), b""):
             sha.update(block)
     return sha.hexdigest()
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 class HostStaging:
@@ -165,6 +260,7 @@ def snapshot_to_cpu(obj: Any) -> Any:
     return HostStaging().snapshot(obj)
 
 
+
 @dataclass
 class LoadedCheckpoint:
     path: Path
@@ -183,7 +279,7 @@ class CheckpointManager:
     Rank 0 writes ``state.pt``; with ``sharded_state`` every rank writes its shard through
     ``torch.distributed.checkpoint``. With ``async_save=True`` the state is copied to host
     memory and written by a background thread, at most one save in flight; the write is the
-    same atomic sequence, so a crash during it leaves the previous checkpoint as the newest.
+    same atomic sequence, so a crash during it leaves the previous checkpoint as the latest.
     Call :meth:`wait` before the process exits: the writer is a daemon thread.
     """
 
@@ -197,8 +293,8 @@ class CheckpointManager:
         async_save: bool = False,
         log: Callable[[str], None] = report_to_stderr,
     ) -> None:
-        if keep_last < 1:
-            raise ValueError("keep_last must be at least 1")
+        if keep_last < 1 and keep_last != KEEP_ALL:
+            raise ValueError(f"keep_last must be at least 1, or {KEEP_ALL} to keep every checkpoint")
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be max or min, not {best_mode!r}")
         self.directory = Path(directory)
@@ -212,32 +308,49 @@ class CheckpointManager:
         self._staging = HostStaging()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._best_value: float | None = None
+        next_index = None
         if self.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
-            for replaced in self.directory.glob(f"{REPLACED_PREFIX}{PREFIX}*"):
-                original = self.directory / replaced.name[len(REPLACED_PREFIX) :]
-                if original.exists():
-                    shutil.rmtree(replaced, ignore_errors=True)
-                else:  # the save that replaced it did not get its own checkpoint into place
-                    os.rename(replaced, original)
-            for stale in self.directory.glob(f"{TMP_PREFIX}*"):
-                if stale.is_dir():
-                    shutil.rmtree(stale, ignore_errors=True)
-                else:
-                    stale.unlink(missing_ok=True)
-        distributed.barrier()
+            self._remove_uncommitted()
+            found = checkpoint_dirs(self.directory)
+            next_index = found[-1].index + 1 if found else 0
+            best = self.best()
+            self._best_value = best.metrics[self.best_metric] if best is not None else None
+        self._next_index: int = distributed.broadcast_object(next_index)
 
     @classmethod
     def from_config(cls, cfg: Any) -> CheckpointManager:
-        """From a recipe's ``checkpoint`` node (:class:`common.config.CheckpointConfig`)."""
+        """From a recipe's ``checkpoint`` node (:class:`common.config.CheckpointConfig`). In the
+        ISC's ``CHECKPOINT_ARTIFACT_PATH`` nothing is pruned: the ISC deletes what it does not ship."""
         return cls(
             cfg.dir,
-            keep_last=cfg.keep_last,
+            keep_last=KEEP_ALL if is_artifact_path(cfg.dir) else cfg.keep_last,
             keep_best=cfg.keep_best,
             best_metric=cfg.best_metric,
             best_mode=cfg.best_mode,
             async_save=cfg.async_save,
         )
+
+    def _remove_uncommitted(self) -> None:
+        """Half-written saves, a stale temporary symlink, and directories above the symlink's
+        ``N`` that are not ``_force`` (renamed into place by a save that crashed before the symlink
+        moved). Refuses a folder of the layout before this one rather than starting from scratch."""
+        if list(self.directory.glob("step_*/manifest.json")) and not checkpoint_dirs(self.directory):
+            raise UserError(f"{self.directory} holds checkpoints in the older step_<N>/ layout, which this version "
+                            f"does not read; finish that run with the version that wrote it, or use a new run_dir")
+        for stale in self.directory.glob(f"{TMP_PREFIX}*"):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+        (self.directory / LATEST_TEMP).unlink(missing_ok=True)
+        found = checkpoint_dirs(self.directory)
+        target = next((found_dir for found_dir in found if found_dir.path.name == latest_name(self.directory)), None)
+        for found_dir in found:
+            if target is not None and found_dir.index > target.index and not found_dir.force:
+                self.log(f"removing {found_dir.path}: its save never reached {LATEST}")
+                shutil.rmtree(found_dir.path, ignore_errors=True)
 
     # ------------------------------------------------------------------ saving
 
@@ -247,17 +360,20 @@ class CheckpointManager:
         state: dict[str, Any],
         metrics: dict[str, float] | None = None,
         sharded_state: dict[str, Any] | None = None,
+        milestone: str | None = None,
     ) -> None:
-        """Write checkpoint ``step``. Blocks until it is complete unless ``async_save`` is on.
+        """Write a checkpoint of ``step``. Blocks until it is committed unless ``async_save`` is on.
 
-        With ``async_save`` (and no ``sharded_state``, which is always written synchronously)
-        it waits for the previous background save, copies ``state`` to host memory and returns;
-        :meth:`wait` (or the next save or load) blocks until the write is complete.
+        ``milestone`` (e.g. "end of linear probe") names a checkpoint that must be kept: it is
+        ``_force`` and never pruned. With ``async_save`` (and no ``sharded_state``, which is always
+        written synchronously) it waits for the previous background save, copies ``state`` to host
+        memory and returns; :meth:`wait` (or the next save or load) blocks until it is committed.
         """
         self.wait()
         metrics = dict(metrics or {})
-        name = checkpoint_name(step)
-        tmp = self.directory / f"{TMP_PREFIX}{name}"
+        index = self._next_index
+        self._next_index += 1
+        tmp = self.directory / f"{TMP_PREFIX}checkpoint_{index}"
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -270,24 +386,38 @@ class CheckpointManager:
         if not self.is_main:
             distributed.barrier()
             return
+        force = self._is_new_best(metrics) or milestone is not None
+        final = self.directory / checkpoint_dir_name(index, force)
+        manifest = {"format": 2, "step": step, "metrics": metrics, "milestone": milestone}
         if self.async_save and sharded_state is None:
             snapshot = self._staging.snapshot(state)  # the only part of an async save the loop waits for
             self._thread = threading.Thread(
-                target=self._write_in_background, args=(step, tmp, snapshot, metrics), name="checkpoint-writer",
+                target=self._write_in_background, args=(tmp, final, snapshot, manifest), name="checkpoint-writer",
                 daemon=True,
             )
             self._thread.start()
         else:
-            self._write(step, tmp, state, metrics)
+            self._write(tmp, final, state, manifest)
         distributed.barrier()
 
-    def _write_in_background(self, step: int, tmp: Path, state: dict[str, Any], metrics: dict[str, float]) -> None:
+    def _is_new_best(self, metrics: dict[str, float]) -> bool:
+        """Whether ``metrics`` beat every earlier checkpoint's (then it is the new best)."""
+        if not self.keep_best or self.best_metric not in metrics:
+            return False
+        value = metrics[self.best_metric]
+        if self._best_value is not None and not (value > self._best_value if self.best_mode == "max"
+                                                 else value < self._best_value):
+            return False
+        self._best_value = value
+        return True
+
+    def _write_in_background(self, tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any]) -> None:
         try:
-            self._write(step, tmp, state, metrics)
+            self._write(tmp, final, state, manifest)
         except BaseException as error:  # reported by the next wait()
             self._error = error
 
-    def _write(self, step: int, tmp: Path, state: dict[str, Any], metrics: dict[str, float]) -> None:
+    def _write(self, tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any]) -> None:
         files: dict[str, dict[str, Any]] = {}
         with open(tmp / STATE_FILE, "wb") as handle:
             writer = _HashingWriter(handle)
@@ -302,25 +432,27 @@ class CheckpointManager:
                     os.fsync(handle.fileno())
                 files[str(path.relative_to(tmp))] = {"sha256": _file_digest(path), "size": path.stat().st_size}
             _fsync_dir(sharded)
-        manifest = {"step": step, "files": files, "metrics": metrics, "format": 1}
         with open(tmp / MANIFEST_FILE, "w") as handle:
-            json.dump(manifest, handle, indent=1, sort_keys=True)
+            json.dump({**manifest, "files": files}, handle, indent=1, sort_keys=True)
             handle.flush()
             os.fsync(handle.fileno())
         _fsync_dir(tmp)
-        final = self.directory / checkpoint_name(step)
-        replaced = self.directory / f"{REPLACED_PREFIX}{final.name}"
-        if final.exists():
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.rename(final, replaced)
+        self.verify(tmp, digests=False)  # the digests were taken from the bytes as they were written
         os.rename(tmp, final)
         _fsync_dir(self.directory)
-        shutil.rmtree(replaced, ignore_errors=True)
-        _write_text_atomic(self.directory / "latest", final.name + "\n")
+        self._point_latest_at(final)
         self._prune()
 
+    def _point_latest_at(self, final: Path) -> None:
+        """Move the symlink the way AtomicDirectory does: a new link, then ``os.replace``."""
+        temp = self.directory / LATEST_TEMP
+        temp.unlink(missing_ok=True)
+        os.symlink(os.path.abspath(final), temp)
+        os.replace(temp, self.directory / LATEST)
+        _fsync_dir(self.directory)
+
     def wait(self) -> None:
-        """Block until a background save is finished; re-raise its error if it failed."""
+        """Block until a background save is committed; re-raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -330,40 +462,35 @@ class CheckpointManager:
 
     # --------------------------------------------------------------- retention
 
-    def _complete(self) -> list[tuple[int, Path, dict[str, Any]]]:
-        found = []
-        for path in self.directory.glob(f"{PREFIX}*"):
-            manifest = path / MANIFEST_FILE
-            if path.is_dir() and manifest.is_file():
-                try:
-                    found.append((int(path.name[len(PREFIX) :]), path, json.loads(manifest.read_text())))
-                except (ValueError, json.JSONDecodeError):
-                    continue
-        return sorted(found, key=lambda item: item[0])
-
-    def _best(self, complete: list[tuple[int, Path, dict[str, Any]]]) -> Path | None:
-        scored = [(m["metrics"][self.best_metric], path) for _, path, m in complete if self.best_metric in m["metrics"]]
-        if not scored:
+    def best(self) -> CheckpointDir | None:
+        """The committed checkpoint with the best ``best_metric`` (None without one, or without a metric)."""
+        if not self.keep_best:
             return None
-        pick = max if self.best_mode == "max" else min
-        return pick(scored, key=lambda item: item[0])[1]
+        return best_checkpoint(committed_checkpoints(self.directory), self.best_metric, self.best_mode)
 
     def _prune(self) -> None:
-        complete = self._complete()
-        keep = {path for _, path, _ in complete[-self.keep_last :]}
-        if self.keep_best:
-            best = self._best(complete)
-            if best is not None:
-                keep.add(best)
-                _write_text_atomic(self.directory / "best", best.name + "\n")
-        for _, path, _ in complete:
-            if path not in keep:
-                shutil.rmtree(path, ignore_errors=True)
+        if self.keep_last == KEEP_ALL:
+            return
+        committed = committed_checkpoints(self.directory)
+        newest_first, steps_seen = [], set()
+        for found_dir in reversed(committed):
+            if found_dir.step not in steps_seen:  # an older directory of the same step was replaced
+                steps_seen.add(found_dir.step)
+                newest_first.append(found_dir)
+        keep = {found_dir.path for found_dir in newest_first[: self.keep_last]}
+        keep |= {found_dir.path for found_dir in committed if found_dir.manifest.get("milestone")}
+        best = self.best()
+        if best is not None:
+            keep.add(best.path)
+        for found_dir in committed:
+            if found_dir.path not in keep:
+                shutil.rmtree(found_dir.path, ignore_errors=True)
 
     # ----------------------------------------------------------------- loading
 
-    def verify(self, path: Path) -> dict[str, Any]:
-        """The manifest of ``path`` if every file matches it; :class:`CheckpointError` otherwise."""
+    def verify(self, path: Path, digests: bool = True) -> dict[str, Any]:
+        """The manifest of ``path`` if every file matches it (size, and sha256 with ``digests``);
+        :class:`CheckpointError` otherwise."""
         manifest_path = path / MANIFEST_FILE
         if not manifest_path.is_file():
             raise CheckpointError("no manifest (the save did not complete)")
@@ -377,13 +504,26 @@ class CheckpointManager:
                 raise CheckpointError(f"{relative} is missing")
             if file.stat().st_size != expected["size"]:
                 raise CheckpointError(f"{relative} has {file.stat().st_size} bytes, expected {expected['size']}")
-            if _file_digest(file) != expected["sha256"]:
+            if digests and _file_digest(file) != expected["sha256"]:
                 raise CheckpointError(f"{relative} does not match its sha256")
         return manifest
 
+    def _candidates(self) -> list[Path]:
+        """Where to look, in order: the symlink's target, then older directories, newest first."""
+        found = checkpoint_dirs(self.directory)
+        target = latest_name(self.directory)
+        target_dir = next((found_dir for found_dir in found if found_dir.path.name == target), None)
+        if target is not None and target_dir is None:
+            self.log(f"warning: {self.directory / LATEST} names {target}, which is not in {self.directory}; "
+                     f"trying the checkpoints that are")
+        if target_dir is not None:
+            found = [found_dir for found_dir in found if found_dir.index <= target_dir.index]
+        found.sort(key=lambda found_dir: (found_dir.path.name == target, found_dir.index, found_dir.force),
+                   reverse=True)
+        return [found_dir.path for found_dir in found]
+
     def _newest_valid(self) -> tuple[Path, dict[str, Any]] | None:
-        candidates = sorted(self.directory.glob(f"{PREFIX}*"), reverse=True)
-        for path in candidates:
+        for path in self._candidates():
             try:
                 return path, self.verify(path)
             except CheckpointError as error:
@@ -393,7 +533,7 @@ class CheckpointManager:
     def load_latest(
         self, map_location: str | torch.device = "cpu", sharded_state: dict[str, Any] | None = None
     ) -> LoadedCheckpoint | None:
-        """The newest valid checkpoint (None if there is none), chosen by rank 0 for all ranks.
+        """The latest valid checkpoint (None if there is none), chosen by rank 0 for all ranks.
 
         With ``sharded_state`` (a state dict of the current, possibly differently sharded
         model), the sharded part is loaded into it in place, resharding as needed.

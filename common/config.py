@@ -53,13 +53,13 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    # On the ISC, CHECKPOINT_ARTIFACT_PATH is where checkpoints must go.
+    # On the ISC, CHECKPOINT_ARTIFACT_PATH is where checkpoints must go (layout: common/checkpoint.py).
     dir: str = "${oc.env:CHECKPOINT_ARTIFACT_PATH,${run_dir}/checkpoints}"
     every_steps: int = 0  # 0 = not by step count
     every_seconds: float = 30.0  # wall clock; the ISC interrupts every 90 s in rapid cycling
     sync_every_steps: int = 10  # how often ranks agree on time/signal triggers
-    keep_last: int = 2
-    keep_best: bool = True
+    keep_last: int = 2  # newest steps kept; ignored in CHECKPOINT_ARTIFACT_PATH, where the ISC does the deleting
+    keep_best: bool = True  # the best by best_metric is kept, as a _force directory (the ISC always ships those)
     best_metric: str = "eval/accuracy"
     best_mode: Mode = Mode.max
     async_save: bool = False

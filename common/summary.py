@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from common.checkpoint import LATEST, best_checkpoint, committed_checkpoints
 from common.train_state import Progress
 
 
@@ -41,11 +42,11 @@ def write_summary(
 
 def where_outputs_are(cfg: Any, summary: Path) -> str:
     """The lines a finished run prints so its user finds the summary, checkpoints and logs."""
-    best = ""
-    if cfg.checkpoint.keep_best and cfg.checkpoint.best_metric:
-        best = f"  (best by {cfg.checkpoint.best_metric}: see its 'best' file)"
-    return (
-        f"  summary:      {summary}\n"
-        f"  checkpoints:  {Path(cfg.checkpoint.dir)}{best}\n"
-        f"  tensorboard:  {Path(cfg.logging.dir)}  (tensorboard --logdir {cfg.logging.dir})"
-    )
+    checkpoints = Path(cfg.checkpoint.dir)
+    lines = [f"  summary:      {summary}", f"  checkpoints:  {checkpoints}  (latest: {checkpoints / LATEST})"]
+    if cfg.checkpoint.keep_best:
+        best = best_checkpoint(committed_checkpoints(checkpoints), cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
+        if best is not None:
+            lines.append(f"  best:         {best.path}  (by {cfg.checkpoint.best_metric})")
+    lines.append(f"  tensorboard:  {Path(cfg.logging.dir)}  (tensorboard --logdir {cfg.logging.dir})")
+    return "\n".join(lines)

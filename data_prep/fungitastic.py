@@ -2,6 +2,7 @@
 
     python -m data_prep.fungitastic [--source ROOT] [--out data/fungitastic] [--size 300p]
                                     [--mini] [--per-species 4] [--skip-missing]
+                                    [--weights DIR_OR_FILE] [config overrides, e.g. +experiment=...]
 
 ``ROOT`` is a FungiTastic download (``metadata/`` and ``FungiTastic/``, ``FungiTastic-Mini/``
 image folders, as BohemianVRA's ``dataset/download.py`` writes them). Without ``--source``,
@@ -18,6 +19,10 @@ It then checks that every image the CSVs list exists at ``--size``; missing imag
 (the count and the first few names) unless ``--skip-missing`` is given, which only reports them
 (train with ``data.skip_missing=true`` then). The images are never copied: ``OUT`` gets symbolic
 links to the source folders.
+
+Last, it stores the pretrained weights that the config (with the given overrides) reads from
+``model.pretrained`` under ``data/weights/``: from the hub, or from ``--weights`` (a timm folder
+or a weights file), so that runs never download them at start-up (see ``data_prep/weights.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 import torch
 
 from common.errors import UserError
+from data_prep import weights
 from data_prep.files import run_cli, write_bytes_atomic
 from recipes.fungitastic import metadata
 
@@ -113,6 +119,22 @@ def prepare(out: Path, source: Path | None, size: str, mini: bool, per_species: 
         print(f"warning: {problem}")
 
 
+def prepare_weights(overrides: list[str], source: Path | None) -> str:
+    """Store the weights ``model.pretrained`` names; say what was done."""
+    from recipes.fungitastic.model import is_hub_name
+
+    pretrained = weights.recipe_config("fungitastic", overrides).model.pretrained
+    if not pretrained:
+        return "none needed (model.pretrained is empty: random initialisation)"
+    if is_hub_name(pretrained) and not Path(pretrained).exists():
+        if source is not None:
+            raise UserError(f"model.pretrained={pretrained} is a hub name: point it at a folder under "
+                            f"{weights.WEIGHTS_ROOT}/ to store --weights there")
+        return f"{pretrained} is a hub name, fetched when the run starts"
+    origin = weights.store(Path(pretrained), "timm", source)
+    return f"{pretrained} ({origin})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", type=Path, help="a FungiTastic download: metadata/ and the image folders")
@@ -122,11 +144,15 @@ def main() -> None:
                         help="also write *-Minimal.csv subsets (default when MINI=1 is in the environment)")
     parser.add_argument("--per-species", type=int, default=4, help="rows per species in the minimal subsets")
     parser.add_argument("--skip-missing", action="store_true", help="report missing images without failing")
+    parser.add_argument("--weights", type=Path, help="a local copy of the pretrained weights (timm folder or file)")
+    parser.add_argument("overrides", nargs="*", help="recipe config overrides that choose the weights "
+                        "(e.g. +experiment=fungi_beit_finetune)")
     args = parser.parse_args()
     if args.per_species < 1:
         raise UserError("--per-species must be at least 1")
     prepare(args.out, args.source, args.size, args.mini, args.per_species, args.skip_missing)
     print(f"fungitastic: {args.out / 'prepared'} is ready (train with data.root={args.out})")
+    print(f"fungitastic: pretrained weights: {prepare_weights(args.overrides, args.weights)}")
 
 
 if __name__ == "__main__":

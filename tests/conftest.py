@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.processes import kill_tree
+from common.checkpoint import committed_checkpoints, latest_checkpoint
 from tests import slurm_cluster as sc
 from tests.fake_data import write_fashion_mnist
 
@@ -66,10 +67,16 @@ def kill_run(process: subprocess.Popen) -> None:
 
 
 def latest_step(checkpoint_dir: Path) -> int:
-    try:
-        return int((checkpoint_dir / "latest").read_text().strip().split("_")[1])
-    except (OSError, IndexError, ValueError):
-        return -1
+    """The step of the checkpoint the latest_checkpoint symlink points at; -1 before the first."""
+    latest = latest_checkpoint(checkpoint_dir)
+    return -1 if latest is None else latest.step
+
+
+def checkpoint_of_step(checkpoint_dir: Path, step: int) -> Path:
+    """The newest committed checkpoint directory of ``step``."""
+    found = [found_dir.path for found_dir in committed_checkpoints(checkpoint_dir) if found_dir.step == step]
+    assert found, f"no checkpoint of step {step} in {checkpoint_dir}"
+    return found[-1]
 
 
 def wait_for_step(checkpoint_dir: Path, step: int, process: subprocess.Popen, timeout: float = 120) -> int:

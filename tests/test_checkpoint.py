@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,12 +17,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import CheckpointError, CheckpointManager
+from common.checkpoint import (
+    KEEP_ALL,
+    CheckpointError,
+    CheckpointManager,
+    checkpoint_dirs,
+    committed_checkpoints,
+    latest_checkpoint,
+)
+from common.errors import UserError
 from tests.conftest import REPO
 
 
 def state_for(step: int, size: int = 1000) -> dict:
     return {"weights": torch.full((size,), float(step)), "step": step}
+
+
+def names(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir())
 
 
 def test_save_then_load_round_trip(tmp_path: Path) -> None:
@@ -31,30 +44,69 @@ def test_save_then_load_round_trip(tmp_path: Path) -> None:
     assert loaded is not None and loaded.step == 3
     assert torch.equal(loaded.state["weights"], torch.full((1000,), 3.0))
     assert loaded.metrics == {"eval/accuracy": 0.5}
-    assert (tmp_path / "latest").read_text().strip() == "step_000000003"
-    manifest = json.loads((tmp_path / "step_000000003" / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"state.pt"}
+    assert loaded.path == tmp_path / "AtomicDirectory_checkpoint_0"
+    link = tmp_path / "AtomicDirectory.latest_checkpoint"
+    assert link.is_symlink() and os.readlink(link) == str(tmp_path.resolve() / "AtomicDirectory_checkpoint_0")
+    manifest = json.loads((loaded.path / "manifest.json").read_text())
+    assert manifest["step"] == 3 and set(manifest["files"]) == {"state.pt"}
 
 
 def test_empty_directory_has_nothing_to_resume(tmp_path: Path) -> None:
     assert CheckpointManager(tmp_path / "new").load_latest() is None
 
 
-def test_keep_last_n_and_the_best_by_metric(tmp_path: Path) -> None:
+def test_n_counts_saves_and_a_step_saved_again_is_a_newer_directory(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=5)
+    for step in (2, 4, 4, 6):
+        manager.save(step, state_for(step))
+    assert [(found.index, found.step) for found in committed_checkpoints(tmp_path)] == [(0, 2), (2, 4), (3, 6)]
+    assert latest_checkpoint(tmp_path).path.name == "AtomicDirectory_checkpoint_3"
+    assert CheckpointManager(tmp_path, keep_last=5)._next_index == 4
+
+
+def test_keep_last_n_steps_and_the_best_by_metric_which_is_force(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, keep_last=2, best_metric="eval/accuracy", best_mode="max")
     accuracies = {1: 0.3, 2: 0.9, 3: 0.4, 4: 0.5, 5: 0.6}
     for step, accuracy in accuracies.items():
         manager.save(step, state_for(step), {"eval/accuracy": accuracy})
-    kept = sorted(path.name for path in tmp_path.glob("step_*"))
-    assert kept == ["step_000000002", "step_000000004", "step_000000005"]
-    assert (tmp_path / "best").read_text().strip() == "step_000000002"
+    # step 1 was the best when it was written, step 2 beat it; the others never beat step 2.
+    assert names(tmp_path) == ["AtomicDirectory.latest_checkpoint", "AtomicDirectory_checkpoint_1_force",
+                               "AtomicDirectory_checkpoint_3", "AtomicDirectory_checkpoint_4"]
+    assert manager.best().step == 2
 
 
 def test_best_by_a_metric_to_minimise(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, keep_last=1, best_metric="eval/loss", best_mode="min")
     for step, loss in {1: 0.9, 2: 0.2, 3: 0.5}.items():
         manager.save(step, state_for(step), {"eval/loss": loss})
-    assert sorted(path.name for path in tmp_path.glob("step_*")) == ["step_000000002", "step_000000003"]
+    assert [found.path.name for found in checkpoint_dirs(tmp_path)] == ["AtomicDirectory_checkpoint_1_force",
+                                                                       "AtomicDirectory_checkpoint_2"]
+
+
+def test_milestones_are_force_and_never_pruned(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager.save(1, state_for(1))
+    manager.save(4, state_for(4), milestone="end of linear probe")
+    for step in (5, 6, 7):
+        manager.save(step, state_for(step))
+    assert [(found.path.name, found.step) for found in committed_checkpoints(tmp_path)] == [
+        ("AtomicDirectory_checkpoint_1_force", 4), ("AtomicDirectory_checkpoint_4", 7)]
+
+
+def test_keep_all_prunes_nothing(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=KEEP_ALL)
+    for step in (1, 2, 2, 3):
+        manager.save(step, state_for(step))
+    assert [found.index for found in checkpoint_dirs(tmp_path)] == [0, 1, 2, 3]
+
+
+def test_the_artifact_path_keeps_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.config import CheckpointConfig
+
+    monkeypatch.setenv("CHECKPOINT_ARTIFACT_PATH", str(tmp_path / "artifacts"))
+    on_isc = CheckpointManager.from_config(CheckpointConfig(dir=str(tmp_path / "artifacts"), keep_last=1))
+    elsewhere = CheckpointManager.from_config(CheckpointConfig(dir=str(tmp_path / "local"), keep_last=1))
+    assert on_isc.keep_last == KEEP_ALL and elsewhere.keep_last == 1
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest", "missing_file"])
@@ -63,7 +115,7 @@ def test_a_damaged_latest_falls_back_to_the_previous_one(tmp_path: Path, damage:
     manager = CheckpointManager(tmp_path, keep_last=3)
     manager.save(1, state_for(1))
     manager.save(2, state_for(2))
-    newest = tmp_path / "step_000000002"
+    newest = tmp_path / "AtomicDirectory_checkpoint_1"
     state_file = newest / "state.pt"
     if damage == "flip":
         data = bytearray(state_file.read_bytes())
@@ -78,7 +130,7 @@ def test_a_damaged_latest_falls_back_to_the_previous_one(tmp_path: Path, damage:
     loaded = CheckpointManager(tmp_path, keep_last=3).load_latest()
     assert loaded is not None and loaded.step == 1
     assert torch.equal(loaded.state["weights"], torch.full((1000,), 1.0))
-    assert "step_000000002 is damaged" in capsys.readouterr().err
+    assert "AtomicDirectory_checkpoint_1 is damaged" in capsys.readouterr().err
 
 
 def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
@@ -90,9 +142,9 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    state_file = tmp_path / "step_000000001" / "state.pt"
+    state_file = tmp_path / "AtomicDirectory_checkpoint_0" / "state.pt"
     torch.save({"weights": Exploit()}, state_file)
-    manifest_path = tmp_path / "step_000000001" / "manifest.json"
+    manifest_path = tmp_path / "AtomicDirectory_checkpoint_0" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["files"]["state.pt"] = {"sha256": hashlib.sha256(state_file.read_bytes()).hexdigest(),
                                      "size": state_file.stat().st_size}
@@ -102,34 +154,34 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def test_stale_temporary_directories_are_ignored_and_removed(tmp_path: Path) -> None:
-    CheckpointManager(tmp_path).save(1, state_for(1))
-    partial = tmp_path / ".tmp-step_000000002"
+def test_half_written_and_uncommitted_saves_are_ignored_and_removed(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    CheckpointManager(tmp_path).save(4, state_for(4))
+    partial = tmp_path / ".tmp-checkpoint_1"  # a save killed while writing
     partial.mkdir()
     (partial / "state.pt").write_bytes(b"half a checkpoint")
+    # A save of the same step killed after its rename, before the symlink moved: complete on disk,
+    # but never committed.
+    shutil.copytree(tmp_path / "AtomicDirectory_checkpoint_0", tmp_path / "AtomicDirectory_checkpoint_1")
+    os.symlink("AtomicDirectory_checkpoint_0", tmp_path / "AtomicDirectory.latest_checkpoint_temp")
     manager = CheckpointManager(tmp_path)
-    assert not partial.exists()
+    assert names(tmp_path) == ["AtomicDirectory.latest_checkpoint", "AtomicDirectory_checkpoint_0"]
+    assert "removing" in capsys.readouterr().err
     loaded = manager.load_latest()
-    assert loaded is not None and loaded.step == 1
+    assert loaded is not None and loaded.path.name == "AtomicDirectory_checkpoint_0"
+    manager.save(5, state_for(5))
+    assert latest_checkpoint(tmp_path).path.name == "AtomicDirectory_checkpoint_1"
 
 
-def test_saving_a_step_again_replaces_it_and_a_crash_midway_keeps_the_old_one(tmp_path: Path) -> None:
-    manager = CheckpointManager(tmp_path, keep_last=1)
-    manager.save(4, state_for(4), {"eval/accuracy": 0.1})
-    manager.save(4, state_for(40), {"eval/accuracy": 0.2})
-    loaded = CheckpointManager(tmp_path, keep_last=1).load_latest()
-    assert loaded is not None and loaded.step == 4 and loaded.state["step"] == 40
-    assert loaded.metrics == {"eval/accuracy": 0.2}
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_000000004"]
-
-    # A crash between moving the old checkpoint aside and renaming the new one into place.
-    (tmp_path / "step_000000004").rename(tmp_path / ".replaced-step_000000004")
-    (tmp_path / ".tmp-step_000000004").mkdir()
-    loaded = CheckpointManager(tmp_path, keep_last=1).load_latest()
-    assert loaded is not None and loaded.step == 4 and loaded.state["step"] == 40
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest", "step_000000004"]
+def test_a_folder_of_the_older_layout_is_refused_not_restarted(tmp_path: Path) -> None:
+    (tmp_path / "step_000000010").mkdir()
+    (tmp_path / "step_000000010" / "manifest.json").write_text("{}")
+    with pytest.raises(UserError, match="older step_<N>/ layout"):
+        CheckpointManager(tmp_path)
 
 
+# Every step is saved twice, as the recipes save an epoch's last step and then again with its
+# evaluation: the second save must never put the first at risk.
 SAVER = textwrap.dedent("""
     import sys, torch
     from common.checkpoint import CheckpointManager
@@ -137,7 +189,8 @@ SAVER = textwrap.dedent("""
     step = 0
     while True:
         step += 1
-        manager.save(step, {"weights": torch.full((2_000_000,), float(step)), "step": step})
+        for version in (0, 1):
+            manager.save(step, {"weights": torch.full((2_000_000,), float(step)), "step": step, "version": version})
         print(step, flush=True)
 """)
 

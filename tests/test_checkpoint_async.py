@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import common.checkpoint as checkpoint_module
-from common.checkpoint import CheckpointManager, HostStaging
+from common.checkpoint import CheckpointManager, HostStaging, checkpoint_dirs, latest_name
 from tests.conftest import REPO
 
 KILLED_MID_WRITE = textwrap.dedent(
@@ -24,7 +24,7 @@ KILLED_MID_WRITE = textwrap.dedent(
     import common.checkpoint as checkpoint_module
     from common.checkpoint import CheckpointManager
 
-    manager = CheckpointManager(sys.argv[1], async_save=True)
+    manager = CheckpointManager(sys.argv[1], async_save=True, best_metric="eval/accuracy")
     state = {"weights": torch.arange(300_000, dtype=torch.float32), "step": 1}
     manager.save(1, state, {"eval/accuracy": 0.5})
     manager.wait()
@@ -78,11 +78,11 @@ def test_a_crash_during_the_background_write_keeps_the_previous_checkpoint(tmp_p
         process.wait()
     assert process.returncode == -signal.SIGKILL
 
-    partial = directory / ".tmp-step_000000002"
+    partial = directory / ".tmp-checkpoint_1"
     assert (partial / "state.pt").stat().st_size > 0, "the kill should have landed in the middle of the write"
     assert not (partial / "manifest.json").exists()
-    assert not (directory / "step_000000002").exists()
-    assert (directory / "latest").read_text().strip() == "step_000000001"
+    assert [found.path.name for found in checkpoint_dirs(directory)] == ["AtomicDirectory_checkpoint_0_force"]
+    assert latest_name(directory) == "AtomicDirectory_checkpoint_0_force"
 
     manager = CheckpointManager(directory)
     assert not partial.exists(), "opening the directory removes the partial write"
@@ -120,7 +120,7 @@ def test_save_returns_before_the_write_and_writes_the_state_as_it_was(tmp_path: 
 
     manager = CheckpointManager(tmp_path, async_save=True)
     manager.save(7, state)
-    assert not (tmp_path / "step_000000007").exists(), "save() waited for the write"
+    assert not checkpoint_dirs(tmp_path), "save() waited for the write"
     with torch.no_grad():  # the loop changes the live weights and optimizer state meanwhile
         for param in model.parameters():
             param.add_(1.0)
@@ -146,11 +146,12 @@ def test_one_save_in_flight_the_next_waits_for_it(tmp_path: Path, held_writer: t
     second.start()
     second.join(timeout=0.5)
     assert second.is_alive(), "a second save started while the first was still being written"
-    assert not (tmp_path / "step_000000001").exists()
+    assert not checkpoint_dirs(tmp_path)
     held_writer.set()
     second.join(timeout=60)
     manager.wait()
-    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000000001", "step_000000002"]
+    assert [found.path.name for found in checkpoint_dirs(tmp_path)] == ["AtomicDirectory_checkpoint_0",
+                                                                       "AtomicDirectory_checkpoint_1"]
     assert manager.load_latest().step == 2
 
 

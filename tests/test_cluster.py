@@ -127,7 +127,7 @@ def test_submitit_sweep_requeues_a_signalled_job_which_resumes_to_the_same_diges
         while signalled is None:
             assert sweep.poll() is None, sweep.communicate()[0]
             assert time.monotonic() < deadline, "the first sweep job wrote no checkpoint at step 2 within 240 s"
-            for latest in sweep_dir.rglob("checkpoints/latest"):
+            for latest in sweep_dir.rglob("checkpoints/AtomicDirectory.latest_checkpoint"):
                 if "trainer.log_every_steps=1" in str(latest) and latest_step(latest.parent) >= 2:
                     signalled = latest.parents[1], latest_step(latest.parent)
             time.sleep(0.2)

@@ -8,9 +8,12 @@ resumed run must reproduce, and its step-6 checkpoint is what a single rank resu
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -19,7 +22,19 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import assert_ok, kill_run, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
+from common.checkpoint import LATEST, committed_checkpoints
+from tests.conftest import (
+    REPO,
+    assert_ok,
+    checkpoint_of_step,
+    kill_run,
+    latest_step,
+    read_summary,
+    recipe_env,
+    run_recipe,
+    start_recipe,
+    wait_for_step,
+)
 from tests.fake_data import write_cifar100_tarball
 
 RECIPE = "dinov2_fsdp"
@@ -55,9 +70,9 @@ def pretrained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def overrides(data: Path, backbone: Path, run_dir: Path, *extra: str) -> list[str]:
+def overrides(data: Path, backbone: Path | str, run_dir: Path, *extra: str) -> list[str]:
     return [
-        f"data.root={data}", f"model.name={backbone}", f"run_dir={run_dir}", "model.image_size=28",
+        f"data.root={data}", f"model.weights={backbone}", f"run_dir={run_dir}", "model.image_size=28",
         "trainer.batch_size=4", "trainer.global_batch_size=8", "trainer.epochs=3", "stages.probe_epochs=1",
         "optim.lr=0.05", "trainer.log_every_steps=2", "checkpoint.every_seconds=0", "checkpoint.every_steps=1",
         "checkpoint.keep_last=100", "seed=3", "logging.backend=none", "logging.progress_bar=false", *extra,
@@ -75,7 +90,7 @@ def reference(cifar_root: Path, pretrained_dir: Path, tmp_path_factory: pytest.T
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step_{step:09d}"
+    return checkpoint_of_step(run_dir / "checkpoints", step)
 
 
 def saved_stage(run_dir: Path, step: int) -> str:
@@ -120,6 +135,10 @@ def test_probe_then_finetune_with_the_backbone_frozen_in_stage_one(
     assert probe_keys and all(key.startswith("optimizer.state.head.") for key in probe_keys), probe_keys
     assert not torch.equal(end_of_probe["model"]["head.weight"], sharded_tensors(reference, 1, tmp_path)["model"][
         "head.weight"])
+    # The end of the probe is a milestone: _force, so the ISC ships it and retention keeps it.
+    probe_end = checkpoint_dir(reference, PROBE_STEPS)
+    assert probe_end.name.endswith("_force")
+    assert json.loads((probe_end / "manifest.json").read_text())["milestone"] == "end of linear probe"
 
     # Stage 2: the whole backbone (but the unused mask token) trains with a fresh optimizer.
     assert saved_stage(reference, PROBE_STEPS + 1) == "finetune"
@@ -155,12 +174,14 @@ def test_sigkill_in_the_finetune_stage_then_resume_matches_the_uninterrupted_run
 
 
 def copy_checkpoints_up_to(source: Path, destination: Path, step: int) -> None:
-    """A run directory whose newest checkpoint is ``source``'s checkpoint ``step``."""
+    """A run directory whose latest checkpoint is ``source``'s checkpoint ``step``."""
     (destination / "checkpoints").mkdir(parents=True)
-    for path in (source / "checkpoints").glob("step_*"):
-        if int(path.name.split("_")[1]) <= step:
-            shutil.copytree(path, destination / "checkpoints" / path.name)
-    (destination / "checkpoints" / "latest").write_text(f"step_{step:09d}\n")
+    committed = committed_checkpoints(source / "checkpoints")
+    latest = [found for found in committed if found.step == step][-1]
+    for found in committed:
+        if found.index <= latest.index:
+            shutil.copytree(found.path, destination / "checkpoints" / found.path.name)
+    (destination / "checkpoints" / LATEST).symlink_to(destination / "checkpoints" / latest.path.name)
 
 
 def test_a_checkpoint_of_two_ranks_resumes_on_one_rank(
@@ -276,11 +297,54 @@ def test_timm_backbone_loads_a_local_weights_file_and_freezes(tmp_path: Path) ->
         assert model.head.weight.grad is not None
 
 
-def test_a_missing_weights_file_is_a_user_error(tmp_path: Path) -> None:
-    from common.errors import UserError
+def test_timm_backbone_loads_a_timm_folder(tmp_path: Path) -> None:
+    import timm
+    from timm.models import save_for_hf
+
     from recipes.dinov2_fsdp.config import ModelConfig
     from recipes.dinov2_fsdp.model import build_model
 
-    with pytest.raises(UserError, match="is not a file"):
-        build_model(ModelConfig(library="timm", name="test_vit", weights=str(tmp_path / "missing.pth"),
-                                image_size=32))
+    source = timm.create_model("test_vit", pretrained=False, num_classes=0, img_size=32)
+    save_for_hf(source, str(tmp_path / "test_vit"), safe_serialization=True)
+    model = build_model(ModelConfig(library="timm", name="test_vit", weights=str(tmp_path / "test_vit"),
+                                    image_size=32))
+    for name, value in source.state_dict().items():
+        assert torch.equal(model.backbone.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("weights", ["missing", ""], ids=["not_here", "hub_unreachable"])
+def test_weights_neither_here_nor_reachable_are_one_line_naming_the_prep_command(
+    cifar_root: Path, tmp_path: Path, weights: str
+) -> None:
+    setting = str(tmp_path / weights) if weights else ""
+    result = run_recipe(RECIPE, overrides(cifar_root, setting, tmp_path / "run"))  # offline: HF_HUB_OFFLINE=1
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "make prep-dinov2_fsdp" in result.stderr
+
+
+def test_prep_stores_the_backbone_from_a_local_copy_and_fails_in_one_line_offline(
+    pretrained_dir: Path, cifar_root: Path, tmp_path: Path
+) -> None:
+    from transformers import Dinov2Model
+
+    from data_prep.cifar100_resnet50 import TARBALL_MD5, VERIFIED_MARKER
+    from data_prep.dinov2_fsdp import prepare_weights
+
+    stored = tmp_path / "weights" / "dinov2-tiny"
+    assert prepare_weights([f"model.weights={stored}"], pretrained_dir) == f"{stored} ({pretrained_dir})"
+    expected = Dinov2Model.from_pretrained(pretrained_dir).state_dict()
+    for name, value in Dinov2Model.from_pretrained(stored).state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert prepare_weights([f"model.weights={stored}"], None) == f"{stored} (already there)"
+    assert prepare_weights(["model.pretrained=false"], None).startswith("none needed")
+
+    # The whole script, in a fresh checkout's working directory, with the hub out of reach.
+    workdir = tmp_path / "checkout"
+    shutil.copytree(cifar_root, workdir / "data" / "cifar100")
+    (workdir / "data" / "cifar100" / "cifar-100-python" / VERIFIED_MARKER).write_text(TARBALL_MD5 + "\n")
+    offline = subprocess.run([sys.executable, "-m", "data_prep.dinov2_fsdp"], cwd=workdir, capture_output=True,
+                             text=True, timeout=300, env=recipe_env(PYTHONPATH=str(REPO)))
+    assert offline.returncode == 2 and offline.stderr.count("\n") == 1, offline.stderr
+    assert "could not fetch facebook/dinov2-small from the hub" in offline.stderr
+    assert "WEIGHTS=<dir or file>" in offline.stderr
+    assert not (workdir / "data" / "weights" / "facebook" / "dinov2-small").exists()

@@ -38,7 +38,7 @@ def test_end_to_end_writes_summary_checkpoints_and_tensorboard(fashion_data: Pat
     assert summary["metrics"]["eval/accuracy"] > 0.5, "the tiny dataset is learnable; training did not learn"
     assert summary["wall_time_s"] > 0
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert (run_dir / "checkpoints" / "latest").is_file()
+    assert (run_dir / "checkpoints" / "AtomicDirectory.latest_checkpoint").is_symlink()
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     for line in (f"summary:      {run_dir / 'summary.json'}", f"checkpoints:  {run_dir / 'checkpoints'}",
                  f"tensorboard:  {run_dir / 'tensorboard'}"):

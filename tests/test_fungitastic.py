@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -55,10 +56,12 @@ TINY = [
 TRAIN_ROWS = 24  # 6 per species in the fake training split
 
 
-def prep(source: Path, out: Path, *args: str, mini: bool = False) -> subprocess.CompletedProcess:
+def prep(source: Path, out: Path, *args: str, mini: bool = False,
+         weights: tuple[str, ...] = ("model.pretrained=",)) -> subprocess.CompletedProcess:
+    """The prep script; by default for a config without pretrained weights (the tests train from scratch)."""
     env = recipe_env(MINI="1" if mini else "0")
     return subprocess.run([sys.executable, "-m", "data_prep.fungitastic", "--source", str(source), "--out", str(out),
-                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                           *args, *weights], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
 def overrides(data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -238,8 +241,49 @@ def test_pretrained_weights_from_a_local_file_fill_the_backbone_and_species_head
     torch.save(other.state_dict(), tmp_path / "other.pth")
     with pytest.raises(UserError, match="does not fit"):
         load_pretrained(model, str(tmp_path / "other.pth"))
-    with pytest.raises(UserError, match="neither a file"):
+    with pytest.raises(UserError, match=re.escape("is not here: run `make prep-fungitastic`")):
         load_pretrained(model, str(tmp_path / "absent.pth"))
+
+
+def test_prep_stores_the_pretrained_weights_and_the_run_reads_only_that_copy(fungi_data: Path,
+                                                                             tmp_path: Path) -> None:
+    """WEIGHTS=<a timm save_for_hf folder> is stored where model.pretrained points; the run (offline) uses it."""
+    import timm
+    from timm.models import save_for_hf
+
+    torch.manual_seed(3)
+    published = timm.create_model("test_vit", num_classes=4, img_size=32)
+    published.pretrained_cfg = {**published.pretrained_cfg, "mean": (0.1, 0.2, 0.3), "std": (0.5, 0.5, 0.5)}
+    save_for_hf(published, str(tmp_path / "download"), safe_serialization=True)
+    stored = tmp_path / "weights" / "test_vit"
+    setting = f"model.pretrained={stored}"
+    result = prep(fungi_data, fungi_data, "--weights", str(tmp_path / "download"), weights=("model.name=test_vit",
+                                                                                               setting))
+    assert_ok(result)
+    assert f"pretrained weights: {stored} ({tmp_path / 'download'})" in result.stdout
+    assert sorted(path.name for path in stored.iterdir()) == ["config.json", "model.safetensors"]
+
+    model = build_model(ModelConfig(name="test_vit", drop_path_rate=0), {"species": 4}, ["species"], 32)
+    assert load_pretrained(model, str(stored)) == "backbone and species head"
+    assert model.backbone.pretrained_cfg["mean"] == [0.1, 0.2, 0.3]
+    torch.testing.assert_close(model.heads["species"].weight, published.head.weight, rtol=0, atol=0)
+
+    run = run_recipe(RECIPE, overrides(fungi_data, tmp_path / "run", setting, "trainer.max_steps=1",
+                                       "data.test_split=false"))
+    assert_ok(run)
+    assert f"pretrained backbone and species head from {stored}" in run.stdout
+
+
+def test_weights_neither_here_nor_reachable_are_one_line_naming_the_prep_command(fungi_data: Path,
+                                                                                 tmp_path: Path) -> None:
+    absent = tmp_path / "data" / "weights" / "timm" / "test_vit.absent"
+    run = run_recipe(RECIPE, overrides(fungi_data, tmp_path / "run", f"model.pretrained={absent}"))
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "make prep-fungitastic" in run.stderr
+
+    offline = prep(fungi_data, fungi_data, weights=("model.name=test_vit", "model.pretrained=data/weights/timm/absent"))
+    assert offline.returncode == 2 and offline.stderr.count("\n") == 1, offline.stderr
+    assert "could not fetch timm/absent from the hub" in offline.stderr and "WEIGHTS=<dir or file>" in offline.stderr
 
 
 # -------------------------------------------------------------------------------- end to end
@@ -262,8 +306,8 @@ def test_end_to_end_reports_every_rank_on_val_and_test(reference_run: tuple[Path
     assert metrics["val/species/top1"] > 0.5, "each species has its own colour; training did not learn"
     assert summary["excluded_unknown_species"] == {"train": 0, "val": 1, "test": 1}
     assert "val: excluded 1 row(s) whose species is unknown (-1) from the closed-set metrics" in result.stdout
-    best = (run_dir / "checkpoints" / "best").read_text().strip()
-    assert summary["best_checkpoint"] == best and (run_dir / "checkpoints" / best).is_dir()
+    best = run_dir / "checkpoints" / summary["best_checkpoint"]
+    assert best.name.endswith("_force") and (best / "manifest.json").is_file()
     assert summary["best_metric"] == "val/species/f1"
 
 

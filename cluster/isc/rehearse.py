@@ -1,21 +1,30 @@
-"""Rehearse the ISC's rapid cycling on this machine, before spending cycles on it.
+"""Rehearse an ISC experiment on this machine, with the ISC's artifact sync, before spending cycles on it.
 
-    python -m cluster.isc.rehearse cluster/isc/<recipe>.isc [--cycles 5] [--cycle-seconds 90]
-        [--data DIR] [--nproc N] [--work-dir DIR] [-- extra hydra overrides]
+    python -m cluster.isc.rehearse cluster/isc/<recipe>.isc [--cycles 5] [--cycle-seconds 90[,90,...]]
+        [--sync-seconds 600] [--data DIR] [--nproc N] [--work-dir DIR] [-- extra hydra overrides]
     make isc-rehearse RECIPE=<recipe> [CYCLES=5] [CYCLE_S=90] [ARGS="--data DIR -- overrides"]
 
-It runs the experiment's own ``command`` the way the ISC would, with the ISC's variables set
-to local values (NNODES=1, N_PROC, MASTER_ADDR=127.0.0.1, a free MASTER_PORT, NODE_RANK=0,
-CHECKPOINT_ARTIFACT_PATH and LOSSY_ARTIFACT_PATH under the work directory), HOME pointing at
-a directory where ``~/training-recipes`` is this repository, and ``/data/<dataset-id>``
-replaced by the local data folder. Each cycle runs ``--cycle-seconds`` and is then killed
-with SIGKILL (no warning, the worst case); the next cycle starts the command again. After the
-cycles the run is left to finish.
+It runs the experiment's own ``command`` the way the ISC would: the ISC's variables get local
+values (NNODES=1, N_PROC, MASTER_ADDR=127.0.0.1, a free MASTER_PORT, NODE_RANK=0), HOME is a
+folder where ``~/training-recipes`` is this repository, and ``/data/<dataset-id>`` becomes the
+local data folder. Each cycle runs for its ``--cycle-seconds`` and is then killed with SIGKILL
+(no warning, the worst case); after the cycles the run is left to finish.
 
-It fails when a cycle makes no progress (no newer checkpoint), when a restart resumes from
-anything but the newest checkpoint on disk at the kill, when that checkpoint was more than one
-checkpoint interval (``checkpoint.every_seconds`` plus a few seconds for the step and the
-write) old at the kill, or when the finished run has no ``summary.json``.
+What survives a cycle is modelled on Strong Compute's Checkpoint Artifacts. The work folder holds
+an artifact store (``artifacts/``) beside each cycle's node-local folders (``cycle-<n>/``). At a
+sync (every ``--sync-seconds`` of a cycle, and at its end) only what the ISC ships is copied to
+the store: the directory that ``<name>.latest_checkpoint`` points at, the ``_force`` directories
+and the symlink itself; the other checkpoint directories older than the shipped one are deleted
+from the node, as the ISC deletes them. ``LOSSY_ARTIFACT_PATH`` is copied to the store as it is.
+The next cycle starts with ``CHECKPOINT_ARTIFACT_PATH`` restored from the store at another path
+(so the symlink's absolute target no longer exists), an empty ``LOSSY_ARTIFACT_PATH``, and the
+previous cycle's folders gone.
+
+Per cycle it prints the step it resumed from, the checkpoint shipped at its end with its step,
+and the work lost (the age of that checkpoint at the kill). It fails when a cycle resumes from
+anything but what was shipped, when a cycle ships nothing newer (no progress), when the work lost
+exceeds one checkpoint interval (``checkpoint.every_seconds`` plus a few seconds for the step and
+the write), or when the finished run's ``summary.json`` is not in the store.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -41,12 +51,20 @@ from cluster.processes import kill_tree
 from common.errors import EXIT_USER_ERROR, UserError
 
 REPO = Path(__file__).resolve().parents[2]
-REQUIRED_KEYS = {"isc_project_id": str, "experiment_name": str, "gpus": int, "compute_mode": str,
-                 "dataset_id_list": list, "command": str}
+REQUIRED_KEYS = {"isc_project_id": str, "experiment_name": str, "gpus": int, "command": str}
+# What each documented compute_mode means on the ISC; an absent compute_mode is "cycle", the documented default.
+COMPUTE_MODES = {
+    "cycle": "rapid cycling: about 90 s at a time, interrupted and resumed",
+    "interruptible": "runs when capacity is free, interrupted and resumed when it is needed",
+    "burst": "a dedicated cluster, uninterrupted unless stopped",
+}
 ISC_VARIABLES = ("$NNODES", "$N_PROC", "$MASTER_ADDR", "$MASTER_PORT", "$NODE_RANK")
 RECIPE_MODULE = re.compile(r"-m\s+recipes\.(\w+)\.train\b")
 DATA_PATH = re.compile(r"/data/([\w.-]+)")
 RESUMED = re.compile(r"resumed from \S+ \(step (\d+)")
+# The ISC's rules for Checkpoint Artifacts (cycling_utils' AtomicDirectory and Strong Compute's docs).
+CHECKPOINT_DIR = re.compile(r"_checkpoint_(\d+)(_force)?$")
+SYMLINK_SUFFIX = ".latest_checkpoint"
 # Time a kill may land after the checkpoint interval elapsed: the step in flight and the write.
 GRACE_S = 5.0
 
@@ -56,6 +74,10 @@ class IscExperiment:
     path: Path
     fields: dict
     recipe: str
+
+    @property
+    def compute_mode(self) -> str:
+        return self.fields.get("compute_mode", "cycle")
 
     @property
     def command_line(self) -> str:
@@ -74,8 +96,12 @@ def load_experiment(path: Path) -> IscExperiment:
     for key, kind in REQUIRED_KEYS.items():
         if not isinstance(fields.get(key), kind):
             raise UserError(f"{path}: {key} is missing or not a {kind.__name__}")
-    if fields["compute_mode"] not in ("cycle", "burst"):
-        raise UserError(f"{path}: compute_mode must be 'cycle' or 'burst', not {fields['compute_mode']!r}")
+    if fields.get("compute_mode", "cycle") not in COMPUTE_MODES:
+        raise UserError(f"{path}: compute_mode must be one of {', '.join(COMPUTE_MODES)}, not "
+                        f"{fields['compute_mode']!r}")
+    datasets = fields.get("dataset_id_list", [])
+    if not isinstance(datasets, list):
+        raise UserError(f"{path}: dataset_id_list must be a list of dataset IDs")
     command = fields["command"]
     missing = [name for name in ISC_VARIABLES if name not in command]
     if missing:
@@ -87,24 +113,83 @@ def load_experiment(path: Path) -> IscExperiment:
     if not (REPO / "recipes" / recipe / "train.py").is_file():
         raise UserError(f"{path}: the command names recipe {recipe!r}, which has no recipes/{recipe}/train.py")
     for dataset in DATA_PATH.findall(command):
-        if dataset not in fields["dataset_id_list"]:
+        if dataset not in datasets:
             raise UserError(f"{path}: the command reads /data/{dataset}, which is not in dataset_id_list")
     return IscExperiment(path=path, fields=fields, recipe=recipe)
 
 
+# ---- the artifact sync -------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
-class Checkpoint:
+class Shipped:
+    """The checkpoint a symlink named at a sync, now in the store."""
+
+    name: str
     step: int
     completed_at: float  # wall-clock time its manifest (written last) was complete
 
 
-def newest_checkpoint(directory: Path) -> Checkpoint | None:
-    complete = [(int(path.name.removeprefix("step_")), path / "manifest.json")
-                for path in directory.glob("step_*") if (path / "manifest.json").is_file()]
-    if not complete:
-        return None
-    step, manifest = max(complete)
-    return Checkpoint(step, manifest.stat().st_mtime)
+def _checkpoint_index(path: Path) -> int | None:
+    match = CHECKPOINT_DIR.search(path.name)
+    return int(match.group(1)) if match and path.is_dir() and not path.is_symlink() else None
+
+
+def _copy_into(source: Path, destination: Path) -> None:
+    """Copy a directory into the store, atomically, so a store never holds half a checkpoint."""
+    partial = destination.with_name(f".partial-{destination.name}")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial, symlinks=True)
+    os.replace(partial, destination)
+
+
+def sync_checkpoints(live: Path, store: Path) -> Shipped | None:
+    """One sync of Checkpoint Artifacts from ``live`` (CHECKPOINT_ARTIFACT_PATH) into ``store``.
+
+    Ships what each ``*.latest_checkpoint`` symlink points at, every ``_force`` directory, and the
+    symlinks; deletes from ``live`` the other checkpoint directories older than the shipped one
+    (newer ones were written after the symlink was read and wait for the next sync). Returns the
+    shipped latest checkpoint (the last symlink's, by name) or None if there is none.
+    """
+    store.mkdir(parents=True, exist_ok=True)
+    shipped = None
+    for link in sorted(live.glob(f"*{SYMLINK_SUFFIX}")):
+        if not link.is_symlink():
+            continue
+        target_path = os.readlink(link)
+        target = live / Path(target_path).name  # the symlink is absolute; this node's copy has the same name
+        index = _checkpoint_index(target)
+        if index is None:
+            continue
+        if not (store / target.name).exists():
+            _copy_into(target, store / target.name)
+        manifest = store / target.name / "manifest.json"
+        shipped = Shipped(target.name, json.loads(manifest.read_text())["step"], manifest.stat().st_mtime)
+        temp = store / f".partial-{link.name}"
+        temp.unlink(missing_ok=True)
+        os.symlink(target_path, temp)
+        os.replace(temp, store / link.name)
+        for path in live.iterdir():
+            other = _checkpoint_index(path)
+            if other is None or path == target:
+                continue
+            if path.name.endswith("_force"):
+                if not (store / path.name).exists():
+                    _copy_into(path, store / path.name)
+            elif other < index:
+                shutil.rmtree(path, ignore_errors=True)
+    return shipped
+
+
+def restore(store: Path, live: Path) -> None:
+    """A cycle's CHECKPOINT_ARTIFACT_PATH: a fresh copy of the store (symlinks copied as they are)."""
+    if store.is_dir():
+        shutil.copytree(store, live, symlinks=True)
+    else:
+        live.mkdir(parents=True)
+
+
+# ---- running cycles ----------------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -130,20 +215,31 @@ class Cycle:
     killed: bool
     exit_code: int | None
     resumed_from: int | None
-    newest: Checkpoint | None
+    shipped: Shipped | None  # what the store's symlink names after the cycle's last sync
     ended_at: float  # wall-clock time of the kill or the exit
     log: Path
 
     @property
-    def checkpoint_age_s(self) -> float | None:
-        return None if self.newest is None else self.ended_at - self.newest.completed_at
+    def work_lost_s(self) -> float | None:
+        if not self.killed:
+            return None
+        return self.ended_at - self.shipped.completed_at if self.shipped is not None else self.seconds
 
 
-def _run_cycle(command: str, env: dict[str, str], cwd: Path, limit_s: float | None, number: int,
-               log: Path) -> Cycle:
-    """Run the command once; after ``limit_s`` seconds SIGKILL it and all its descendants."""
+def _run_cycle(command: str, env: dict[str, str], cwd: Path, limit_s: float | None, sync_s: float, number: int,
+               log: Path, store: Path, previous: Shipped | None) -> Cycle:
+    """Run the command once, syncing every ``sync_s`` seconds; after ``limit_s`` seconds SIGKILL it
+    and all its descendants; then the end-of-cycle sync."""
+    live, lossy = Path(env["CHECKPOINT_ARTIFACT_PATH"]), Path(env["LOSSY_ARTIFACT_PATH"])
     start = time.monotonic()
     resumed: list[int] = []
+    stop_syncing = threading.Event()
+    shipped = [previous]
+
+    def sync_periodically() -> None:
+        while not stop_syncing.wait(sync_s):
+            shipped[0] = sync_checkpoints(live, store / "checkpoints") or shipped[0]
+
     with open(log, "w") as out:
         process = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -156,7 +252,9 @@ def _run_cycle(command: str, env: dict[str, str], cwd: Path, limit_s: float | No
                     resumed.append(int(match.group(1)))
 
         reader = threading.Thread(target=copy_output, daemon=True)
+        syncer = threading.Thread(target=sync_periodically, daemon=True)
         reader.start()
+        syncer.start()
         try:
             process.wait(timeout=limit_s)
             killed = False
@@ -165,30 +263,34 @@ def _run_cycle(command: str, env: dict[str, str], cwd: Path, limit_s: float | No
             process.wait()
             killed = True
         ended_at = time.time()
+        stop_syncing.set()
+        syncer.join()
         reader.join(timeout=30)
-    newest = newest_checkpoint(Path(env["CHECKPOINT_ARTIFACT_PATH"]))
+    shipped[0] = sync_checkpoints(live, store / "checkpoints") or shipped[0]
+    if lossy.is_dir():
+        shutil.copytree(lossy, store / "lossy", symlinks=True, dirs_exist_ok=True)
     return Cycle(number, time.monotonic() - start, killed, None if killed else process.returncode,
-                 resumed[0] if resumed else None, newest, ended_at, log)
+                 resumed[0] if resumed else None, shipped[0], ended_at, log)
 
 
-def _check_cycle(cycle: Cycle, previous: Checkpoint | None, interval_s: float) -> None:
-    """Raise UserError when the cycle lost work or made none."""
+def _check_cycle(cycle: Cycle, previous: Shipped | None, interval_s: float) -> None:
+    """Raise UserError when the cycle resumed from anything but what was shipped, lost work or made none."""
     expected = previous.step if previous else None
     if (cycle.resumed_from is not None or not cycle.killed) and cycle.resumed_from != expected:
-        raise UserError(f"cycle {cycle.number} resumed from step {cycle.resumed_from}, but the newest complete "
-                        f"checkpoint on disk was step {expected} (log: {cycle.log})")
+        shipped = f"step {expected} ({previous.name})" if previous else "nothing"
+        raise UserError(f"cycle {cycle.number} resumed from step {cycle.resumed_from}, but the ISC had shipped "
+                        f"{shipped} (log: {cycle.log})")
     if not cycle.killed:
         if cycle.exit_code != 0:
             raise UserError(f"cycle {cycle.number}: the command exited with code {cycle.exit_code} (log: {cycle.log})")
         return
-    if cycle.newest is None or (previous is not None and cycle.newest.step <= previous.step):
-        raise UserError(f"cycle {cycle.number} made no progress in {cycle.seconds:.0f} s (newest checkpoint still "
-                        f"{'none' if cycle.newest is None else f'step {cycle.newest.step}'}); make the cycle longer "
-                        f"than start-up plus one checkpoint interval (log: {cycle.log})")
-    age = cycle.checkpoint_age_s
-    if interval_s > 0 and age > interval_s + GRACE_S:
-        raise UserError(f"cycle {cycle.number}: at the kill the newest checkpoint was {age:.1f} s old, more than one "
-                        f"checkpoint interval ({interval_s:g} s + {GRACE_S:g} s); a restart loses that work")
+    if cycle.shipped is None or (previous is not None and cycle.shipped.step <= previous.step):
+        reached = "nothing" if cycle.shipped is None else f"step {cycle.shipped.step}"
+        raise UserError(f"cycle {cycle.number} made no progress in {cycle.seconds:.0f} s (the ISC shipped {reached}); "
+                        f"make cycles longer than start-up plus one checkpoint interval (log: {cycle.log})")
+    if interval_s > 0 and cycle.work_lost_s > interval_s + GRACE_S:
+        raise UserError(f"cycle {cycle.number}: the shipped checkpoint was {cycle.work_lost_s:.1f} s old at the kill, "
+                        f"more than one checkpoint interval ({interval_s:g} s + {GRACE_S:g} s): that work is lost")
 
 
 def _resolved_config(recipe: str, overrides: list[str], env: dict[str, str]) -> DictConfig:
@@ -221,21 +323,34 @@ def _print_cycle(cycle: Cycle) -> None:
     ending = "killed" if cycle.killed else f"exited {cycle.exit_code}"
     outcome = f"{ending} after {cycle.seconds:.0f} s"
     resumed = "-" if cycle.resumed_from is None else f"step {cycle.resumed_from}"
-    reached = "-" if cycle.newest is None else f"step {cycle.newest.step}"
-    age = "-" if cycle.newest is None or not cycle.killed else f"{cycle.checkpoint_age_s:.1f} s"
-    print(f"{cycle.number:>5}  {outcome:<24}  {resumed:>12}  {reached:>17}  {age:>15}", flush=True)
+    shipped = "-" if cycle.shipped is None else cycle.shipped.name
+    step = "-" if cycle.shipped is None else f"step {cycle.shipped.step}"
+    lost = "-" if cycle.work_lost_s is None else f"{cycle.work_lost_s:.1f} s"
+    print(f"{cycle.number:>5}  {outcome:<22}  {resumed:>12}  {shipped:<40}  {step:>10}  {lost:>9}", flush=True)
 
 
-def rehearse(isc_file: Path, cycles: int, cycle_s: float, data: Path | None, nproc: int, work_dir: Path | None,
-             overrides: list[str], finish_timeout_s: float) -> dict:
+def _cycle_lengths(spec: str, cycles: int) -> list[float]:
+    """``90`` or ``2,30,30``: one length per cycle, the last one repeated."""
+    try:
+        lengths = [float(part) for part in spec.split(",")]
+    except ValueError:
+        raise UserError(f"--cycle-seconds {spec!r} is not a number or a comma-separated list of numbers") from None
+    if cycles < 1 or any(length <= 0 for length in lengths):
+        raise UserError("--cycles must be at least 1 and every --cycle-seconds positive")
+    return [lengths[min(i, len(lengths) - 1)] for i in range(cycles)]
+
+
+def rehearse(isc_file: Path, cycles: int, cycle_seconds: str, sync_s: float, data: Path | None, nproc: int,
+             work_dir: Path | None, overrides: list[str], finish_timeout_s: float) -> dict:
     experiment = load_experiment(isc_file)
-    if cycles < 1 or cycle_s <= 0:
-        raise UserError("--cycles must be at least 1 and --cycle-seconds positive")
+    lengths = _cycle_lengths(cycle_seconds, cycles)
+    if sync_s <= 0:
+        raise UserError("--sync-seconds must be positive")
     default_work = REPO / "runs" / "isc_rehearsal" / f"{experiment.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
     work = (work_dir or default_work).resolve()
     if work.exists() and any(work.iterdir()):
         raise UserError(f"work directory {work} is not empty; give a new --work-dir")
-    home = work / "home"
+    home, store = work / "home", work / "artifacts"
     _fake_home(home)
     if data is None:
         data = REPO / _resolved_config(experiment.recipe, [], {}).data.root
@@ -244,41 +359,53 @@ def rehearse(isc_file: Path, cycles: int, cycle_s: float, data: Path | None, npr
     local_data = shlex.quote(str(data.resolve()))
     command = DATA_PATH.sub(lambda _: local_data, experiment.command_line)
     command = " ".join([command, *map(shlex.quote, overrides)])
-    env = {
-        **os.environ,
-        "HOME": str(home),
-        "NNODES": "1",
-        "N_PROC": str(nproc),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "NODE_RANK": "0",
-        "CHECKPOINT_ARTIFACT_PATH": str(work / "checkpoints"),
-        "LOSSY_ARTIFACT_PATH": str(work / "lossy"),
-    }
-    cfg = _resolved_config(experiment.recipe, _command_overrides(experiment.recipe, command, env), env)
-    interval_s, run_dir = float(cfg.checkpoint.every_seconds), Path(cfg.run_dir)
-    print(f"rehearsing {isc_file} ({experiment.recipe}): {cycles} cycle(s) of {cycle_s:g} s killed with SIGKILL, "
-          f"then to the end; checkpoint interval {interval_s:g} s; work dir {work}", flush=True)
-    print("cycle  outcome                   resumed from  newest checkpoint  its age at kill", flush=True)
-    previous: Checkpoint | None = None
-    finished = False
+    print(f"rehearsing {isc_file} ({experiment.recipe}), compute_mode {experiment.compute_mode!r} "
+          f"({COMPUTE_MODES[experiment.compute_mode]}): {cycles} cycle(s) of {cycle_seconds} s killed with SIGKILL, "
+          f"then to the end; an artifact sync every {sync_s:g} s and at each cycle's end; work dir {work}", flush=True)
+    print(f"{'cycle':>5}  {'outcome':<22}  {'resumed from':>12}  {'shipped at its end':<40}  {'step':>10}  "
+          f"{'work lost':>9}", flush=True)
+    previous: Shipped | None = None
     for number in range(1, cycles + 2):
         last = number == cycles + 1
-        cycle = _run_cycle(command, env, home, finish_timeout_s if last else cycle_s, number,
-                           work / f"cycle-{number}.log")
+        node = work / f"cycle-{number}"
+        restore(store / "checkpoints", node / "checkpoints")
+        (node / "lossy").mkdir(parents=True)
+        env = {
+            **os.environ,
+            "HOME": str(home),
+            "NNODES": "1",
+            "N_PROC": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "NODE_RANK": "0",
+            "CHECKPOINT_ARTIFACT_PATH": str(node / "checkpoints"),
+            "OUTPUT_PATH": str(node / "checkpoints"),
+            "LOSSY_ARTIFACT_PATH": str(node / "lossy"),
+        }
+        cfg = _resolved_config(experiment.recipe, _command_overrides(experiment.recipe, command, env), env)
+        cycle = _run_cycle(command, env, home, finish_timeout_s if last else lengths[number - 1], sync_s, number,
+                           work / f"cycle-{number}.log", store, previous)
+        shutil.rmtree(node)  # the node's disk is gone; only the store remains
         _print_cycle(cycle)
         if last and cycle.killed:
             raise UserError(f"the run did not finish within {finish_timeout_s:g} s after the cycles (log: {cycle.log})")
-        _check_cycle(cycle, previous, interval_s)
-        previous = cycle.newest
+        _check_cycle(cycle, previous, float(cfg.checkpoint.every_seconds))
+        previous = cycle.shipped
         if not cycle.killed:
-            finished = True
             break
-    summary_path = run_dir / "summary.json"
-    if not finished or not summary_path.is_file():
-        raise UserError(f"the run finished but wrote no {summary_path}")
+    return _finished_summary(Path(cfg.run_dir), Path(env["LOSSY_ARTIFACT_PATH"]), store, number)
+
+
+def _finished_summary(run_dir: Path, lossy: Path, store: Path, cycles: int) -> dict:
+    """The finished run's summary.json, from the store: the only place it survives on the ISC."""
+    if not run_dir.is_relative_to(lossy):
+        raise UserError(f"the run writes summary.json into {run_dir}, which the ISC does not keep: pass "
+                        f"run_dir=$LOSSY_ARTIFACT_PATH in the command")
+    summary_path = store / "lossy" / run_dir.relative_to(lossy) / "summary.json"
+    if not summary_path.is_file():
+        raise UserError(f"the run finished but its summary.json is not in the artifact store ({summary_path})")
     summary = json.loads(summary_path.read_text())
-    print(f"finished after {number} cycle(s): {summary['steps']} steps, {summary['resumes']} resume(s), "
+    print(f"finished after {cycles} cycle(s): {summary['steps']} steps, {summary['resumes']} resume(s), "
           f"model_digest {summary['model_digest'][:16]}...; summary {summary_path}", flush=True)
     return summary
 
@@ -288,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="Extra hydra overrides for the command go after --.")
     parser.add_argument("isc_file", type=Path)
     parser.add_argument("--cycles", type=int, default=5, help="cycles killed with SIGKILL before the final one")
-    parser.add_argument("--cycle-seconds", type=float, default=90, help="length of a cycle (the ISC's is 90 s)")
+    parser.add_argument("--cycle-seconds", default="90", help="length of each cycle (the ISC's is 90 s), or a "
+                        "comma-separated list of lengths (the last one repeats)")
+    parser.add_argument("--sync-seconds", type=float, default=600, help="seconds between the ISC's artifact syncs")
     parser.add_argument("--data", type=Path, default=None, help="local folder for /data/<dataset-id> "
                         "(default: the recipe's data.root)")
     parser.add_argument("--nproc", type=int, default=None, help="N_PROC (default: the GPU count, else 1)")
@@ -304,8 +433,8 @@ def main(argv: list[str] | None = None) -> int:
 
         nproc = max(1, torch.cuda.device_count())
     try:
-        rehearse(args.isc_file, args.cycles, args.cycle_seconds, args.data, nproc, args.work_dir, overrides,
-                 args.finish_timeout)
+        rehearse(args.isc_file, args.cycles, args.cycle_seconds, args.sync_seconds, args.data, nproc, args.work_dir,
+                 overrides, args.finish_timeout)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR

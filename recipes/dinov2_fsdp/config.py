@@ -30,11 +30,13 @@ class Features(str, Enum):
 @dataclass
 class ModelConfig:
     library: Library = Library.transformers
-    # transformers: a hub name (facebook/dinov2-{small,base,large,giant}) or a local directory written
-    # by save_pretrained; timm: a model name such as vit_base_patch14_dinov2.
+    # The architecture. transformers: a hub name (facebook/dinov2-{small,base,large,giant}) or a folder
+    # written by save_pretrained; timm: a model name such as vit_base_patch14_dinov2.lvd142m.
     name: str = "facebook/dinov2-small"
     pretrained: bool = True  # false: the architecture only, randomly initialised
-    weights: str = ""  # timm only: a local weights file to load instead of the hub's
+    # The pretrained weights' local copy, which `make prep-dinov2_fsdp` fills: a save_pretrained folder
+    # (transformers), a timm folder or weights file (timm). "" = fetch `name` from the hub at every start.
+    weights: str = ""
     image_size: int = 224  # CIFAR images are upsampled to this (a multiple of the patch size)
     features: Features = Features.cls
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass

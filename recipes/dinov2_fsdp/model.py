@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from common.errors import UserError
+from common.weights import missing, weights_file
 from recipes.dinov2_fsdp.config import Features, Library, ModelConfig
 
 NUM_CLASSES = 100
@@ -73,20 +74,34 @@ class DinoClassifier(nn.Module):
         return self.head(features)
 
 
+def _local_weights(cfg: ModelConfig) -> Path | None:
+    """The local copy of the pretrained weights; None when they come from the hub (``model.weights=""``)."""
+    if not cfg.pretrained or not cfg.weights:
+        return None
+    if not Path(cfg.weights).exists():
+        raise missing("model.weights", cfg.weights, "dinov2_fsdp")
+    return Path(cfg.weights)
+
+
+def _unreachable(cfg: ModelConfig, error: Exception) -> UserError:
+    return UserError(f"cannot load the DINOv2 model {cfg.name!r} ({str(error).splitlines()[0]}); store its weights "
+                     f"with `make prep-dinov2_fsdp` where the hub is reachable (or from WEIGHTS=<dir or file>) and set "
+                     f"model.weights to the copy")
+
+
 def _transformers_backbone(cfg: ModelConfig) -> nn.Module:
     from transformers import Dinov2Config, Dinov2Model
 
-    if cfg.weights:
-        raise UserError("model.weights is for timm; with transformers set model.name to a local directory")
+    weights = _local_weights(cfg)
     try:
         if cfg.pretrained:
-            return Dinov2Model.from_pretrained(cfg.name, attn_implementation="sdpa")
+            return Dinov2Model.from_pretrained(str(weights or cfg.name), attn_implementation="sdpa")
         if cfg.name in DINOV2_ARCHITECTURES:
             config = Dinov2Config(**DINOV2_ARCHITECTURES[cfg.name], image_size=cfg.image_size)
         else:
             config = Dinov2Config.from_pretrained(cfg.name)
     except OSError as error:
-        raise UserError(f"cannot load the DINOv2 model {cfg.name!r}: {str(error).splitlines()[0]}") from error
+        raise _unreachable(cfg, error) from error
     config._attn_implementation = "sdpa"
     return Dinov2Model(config)
 
@@ -94,16 +109,17 @@ def _transformers_backbone(cfg: ModelConfig) -> nn.Module:
 def _timm_backbone(cfg: ModelConfig) -> nn.Module:
     import timm
 
-    if cfg.weights and not cfg.pretrained:
-        raise UserError("model.weights is set but model.pretrained=false")
-    if cfg.weights and not Path(cfg.weights).is_file():
-        raise UserError(f"model.weights={cfg.weights} is not a file")
-    overlay = {"file": str(Path(cfg.weights).resolve())} if cfg.weights else None
+    weights = _local_weights(cfg)
+    overlay = {"file": str(weights_file(weights).resolve())} if weights is not None else None
     try:
         return timm.create_model(cfg.name, pretrained=cfg.pretrained, num_classes=0, img_size=cfg.image_size,
                                  pretrained_cfg_overlay=overlay)
-    except RuntimeError as error:  # unknown model name, or weights that do not fit the architecture
-        raise UserError(f"cannot build timm model {cfg.name!r}: {str(error).splitlines()[0]}") from error
+    except Exception as error:
+        if cfg.pretrained and weights is None:  # fetched from the hub: offline, missing repository, auth
+            raise _unreachable(cfg, error) from error
+        if isinstance(error, RuntimeError):  # unknown model name, or weights that do not fit the architecture
+            raise UserError(f"cannot build timm model {cfg.name!r}: {str(error).splitlines()[0]}") from error
+        raise
 
 
 def build_model(cfg: ModelConfig) -> DinoClassifier:

@@ -202,13 +202,18 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     timer = train_state.SegmentTimer()
     cadence = CheckpointCadence.from_config(cfg.checkpoint, device)
 
-    def save(metrics: dict[str, float] | None = None) -> None:
+    def save(metrics: dict[str, float] | None = None, milestone: str | None = None) -> None:
         progress.train_seconds += timer.lap()
         state = train_state.capture(None, None, scheduler, None, sampler, progress, train_sums)
         model_shards, optimizer_shards = get_state_dict(model, optimizer)
         checkpoints.save(progress.step, state, metrics, sharded_state={"model": model_shards,
-                                                                      "optimizer": optimizer_shards})
+                                                                      "optimizer": optimizer_shards},
+                         milestone=milestone)
         cadence.saved()
+
+    def end_of_probe() -> str | None:
+        """The checkpoint after the probe's last epoch is kept for good (``_force``; the ISC ships it)."""
+        return "end of linear probe" if progress.epoch == cfg.stages.probe_epochs else None
 
     def run_eval() -> dict[str, float]:
         metrics = evaluate(model, test_images, test_labels, cfg, dist_info, compute_precision)
@@ -294,7 +299,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
             sampler.set_epoch(progress.epoch)
             if not training_done():
                 due = progress.epoch % trainer_cfg.eval_every_epochs == 0
-                save(run_eval() if due else None)
+                save(run_eval() if due else None, milestone=end_of_probe())
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------
     if progress.finished:
@@ -302,7 +307,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     else:
         eval_metrics = run_eval()
         progress.finished = True
-        save(eval_metrics)
+        save(eval_metrics, milestone=end_of_probe())
     checkpoints.wait()
     logger.close()
     cadence.close()

@@ -38,7 +38,9 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = "beit_base_patch16_224"  # any timm model (test_vit in tests)
-    pretrained: str = ""  # "" = random init; a local state-dict file; or a hub name (hf-hub:..., timm/...)
+    # "" = random init; a local copy (a folder under data/weights/ that `make prep-fungitastic` fills, or a
+    # state-dict file); or a hub name (hf-hub:..., a timm tag), which is then fetched at every start.
+    pretrained: str = ""
     drop_path_rate: float = 0.1
     head_dropout: float = 0.0
     derive_from_species: bool = False  # also report higher ranks predicted by summing species probabilities

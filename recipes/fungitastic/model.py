@@ -1,6 +1,7 @@
 """One timm backbone with a linear head per taxonomic rank (species, genus, ... phylum).
 
-Pretrained weights come from a local state-dict file or a hub name such as
+Pretrained weights come from a local copy (the folder ``make prep-fungitastic`` writes under
+``data/weights/``, or a state-dict file), or from a hub name given explicitly, such as
 ``hf-hub:BVRA/beit_base_patch16_224.in1k_ft_fungitastic_224``. The backbone must match
 ``model.name``; a pretrained classifier whose size matches the species label space (the
 published FungiTastic models use ``category_id`` order, as this recipe does) initialises the
@@ -13,12 +14,12 @@ from pathlib import Path
 
 import timm
 import torch
-from safetensors.torch import load_file
 from timm.optim._param_groups import param_groups_layer_decay
 from torch import nn
 
 from common.errors import UserError
 from common.optim import param_groups
+from common.weights import missing, read_pretrained_cfg, read_state_dict
 from recipes.fungitastic.config import ModelConfig
 
 HUB_PREFIX = "hf-hub:"
@@ -51,31 +52,26 @@ def create_backbone(cfg: ModelConfig, image_size: int) -> nn.Module:
     return timm.create_model(cfg.name, pretrained=False, num_classes=0, drop_path_rate=cfg.drop_path_rate)
 
 
+def is_hub_name(source: str) -> bool:
+    return source.startswith(HUB_PREFIX) or timm.is_model(source)
+
+
 def pretrained_state(source: str) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """The state dict of a local file (.safetensors, or a torch file holding a state dict under
-    ``model``/``state_dict`` or at the top level), a hub model (``hf-hub:owner/name``) or a timm
-    pretrained tag (``beit_base_patch16_224.in22k_ft_in22k_in1k``), with the hub model's
-    pretrained config (its input normalisation) when there is one."""
+    """The state dict and, when known, timm's pretrained config (its input normalisation) of a
+    local copy (the folder `make prep-fungitastic` writes, or a weights file), or of a hub model
+    named explicitly (``hf-hub:owner/name`` or a timm pretrained tag), which is fetched now."""
     path = Path(source)
-    if not path.is_file() and (source.startswith(HUB_PREFIX) or timm.is_model(source)):
+    if path.exists():
+        return read_state_dict(path), read_pretrained_cfg(path) if path.is_dir() else None
+    if is_hub_name(source):
         try:
             hub_model = timm.create_model(source, pretrained=True)
-            return hub_model.state_dict(), dict(hub_model.pretrained_cfg)
         except Exception as error:  # hub errors come in many types (offline, missing repo, auth)
-            raise UserError(f"model.pretrained={source!r} could not be loaded: {str(error).splitlines()[0]}") from error
-    if not path.is_file():
-        raise UserError(f"model.pretrained={source!r} is neither a file, nor a hub name ({HUB_PREFIX}...), "
-                        f"nor a timm model name")
-    try:
-        state = load_file(str(path)) if path.suffix == ".safetensors" else torch.load(path, map_location="cpu",
-                                                                                      weights_only=True)
-    except Exception as error:  # a truncated or foreign file: report it, whatever the loader raised
-        raise UserError(f"model.pretrained={source!r} is not a readable state dict ({str(error).splitlines()[0]})") \
-            from error
-    for key in ("model", "state_dict"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-    return state, None
+            raise UserError(f"model.pretrained={source!r} could not be fetched from the hub "
+                            f"({str(error).splitlines()[0]}); store a copy with `make prep-fungitastic` where the hub "
+                            f"is reachable (or from WEIGHTS=<dir or file>) and point model.pretrained at it") from error
+        return hub_model.state_dict(), dict(hub_model.pretrained_cfg)
+    raise missing("model.pretrained", source, "fungitastic")
 
 
 def load_pretrained(model: TaxonomyClassifier, source: str) -> str:

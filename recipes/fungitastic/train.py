@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -326,7 +325,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     logger.close()
     cadence.close()
     if dist_info.is_main:
-        best_file = Path(cfg.checkpoint.dir) / "best"
+        best = checkpoints.best()
         summary = write_summary(
             cfg.run_dir,
             recipe=cfg.recipe,
@@ -334,7 +333,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
             progress=progress,
             world_size=dist_info.world_size,
             model_digest=train_state.model_digest(model),
-            best_checkpoint=best_file.read_text().strip() if best_file.is_file() else None,
+            best_checkpoint=best.path.name if best is not None else None,
             best_metric=cfg.checkpoint.best_metric,
             excluded_unknown_species={name: split.unknown_species for name, split in splits.items()},
             skipped_missing_images={name: split.skipped_missing for name, split in splits.items()},
