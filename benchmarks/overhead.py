@@ -39,7 +39,7 @@ from common.sampler import ResumableDistributedSampler
 from recipes.fashion_mnist import train as recipe
 from recipes.fashion_mnist.data import load_split, normalize
 from recipes.fashion_mnist.model import build_model
-from tests.fake_data import write_fashion_mnist
+from tools.tiny_data import write_fashion_mnist
 
 BENCHMARK = "loop overhead (fashion_mnist)"
 SEGMENT = 10  # steps per timed segment
@@ -147,7 +147,7 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int) -
     sampler = ResumableDistributedSampler(10**9)
     sums = SumMetrics(device)
     stop_flag = StopFlag()
-    cadence = CheckpointCadence(0, 1e9, 10, device, stop_flag)
+    cadence = CheckpointCadence(0, 1e9, 10, stop_flag)
     logger = RunLogger("none", ".", True, "bench", progress_bar=False)
     bar = logger.progress(steps, 0, "bookkeeping")
     synchronize(device)

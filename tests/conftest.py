@@ -14,7 +14,7 @@ import pytest
 
 from cluster.processes import kill_tree
 from tests import slurm_cluster as sc
-from tests.fake_data import write_fashion_mnist
+from tools.tiny_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +31,8 @@ def recipe_env(**extra: str) -> dict[str, str]:
 def recipe_command(recipe: str, overrides: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", f"recipes.{recipe}.train", *overrides]
+    if not any(override.startswith("device=") for override in overrides):
+        overrides = ["device=cpu", *overrides]  # several ranks on gloo, whatever GPUs this machine has
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", f"recipes.{recipe}.train", *overrides]
 
