@@ -14,7 +14,7 @@ import pytest
 
 from cluster.isc.rehearse import load_experiment
 from common.errors import UserError
-from tests.fake_data import write_fashion_mnist
+from tools.tiny_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.parent.name for p in (REPO / "recipes").glob("*/train.py"))
