@@ -113,7 +113,8 @@ def eval_loader(split: Split, cfg: DictConfig, dist_info: DistInfo, pin_memory: 
                                           drop_last=False)
     draft = cfg.data.image_size if cfg.data.draft_decode else 0
     dataset = FungiImages(split, eval_transform(cfg.data), draft)
-    return make_loader(dataset, sampler, cfg.trainer.batch_size * 2, cfg.trainer.num_workers, pin_memory)
+    return make_loader(dataset, sampler, cfg.trainer.batch_size * 2, cfg.trainer.num_workers, pin_memory,
+                       generator=torch.Generator())
 
 
 @recipe_main("fungitastic")
@@ -175,7 +176,9 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     draft = cfg.data.image_size if cfg.data.draft_decode else 0
     train_images = PerSampleSeeded(FungiImages(splits["train"], train_transform(cfg.data), draft), cfg.seed)
     micro_batch = cfg.trainer.batch_size
-    train_loader = make_loader(train_images, sampler, micro_batch, cfg.trainer.num_workers, pin_memory)
+    # Own generators: creating an iterator must not draw from the global RNG that drop path uses.
+    train_loader = make_loader(train_images, sampler, micro_batch, cfg.trainer.num_workers, pin_memory,
+                               generator=torch.Generator())
     eval_loaders = {name: eval_loader(split, cfg, dist_info, pin_memory)
                     for name, split in splits.items() if name != "train"}
 
