@@ -122,7 +122,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: int = 600, cpu_
     if (world_size > 1 or group_of_one) and not dist.is_initialized():
         if world_size == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group(
             backend=process_group_backend(device, cpu_collectives),
             rank=rank,
@@ -133,7 +133,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: int = 600, cpu_
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, launcher=launcher)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
