@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from benchmarks.results import Result
 from common.data import seeded_generator
+from common.determinism import configure_determinism
 from common.distributed import init_distributed
 from common.entry import validate_overrides
 from common.loggers import RunLogger
@@ -109,6 +110,7 @@ def measure(device_name: str, pairs: int, batch_size: int, workdir: Path) -> dic
         f"trainer.max_steps={steps}", f"trainer.log_every_steps={SEGMENT}", "checkpoint.every_steps=0",
         "checkpoint.every_seconds=1e9",
     ])
+    configure_determinism(cfg.trainer.deterministic, cfg.device)  # as the recipe's main does
     dist_info = init_distributed(cfg.device)
     bare = BareLoop(cfg, dist_info.device)
     bare.steps(WARMUP_STEPS)
