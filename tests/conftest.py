@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cluster.processes import kill_tree
+from common.distributed import free_port  # noqa: F401  (tests import it from here)
 from tests import slurm_cluster as sc
 from tools.tiny_data import write_fashion_mnist
 
@@ -114,9 +114,3 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory):
     sc.require_slurm_or_skip()
     with sc.running_local_slurm(tmp_path_factory.mktemp("slurm")) as env:
         yield env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
