@@ -14,8 +14,9 @@ SOURCE ?=
 WEIGHTS ?=
 EXPERIMENT ?=
 PYTEST_ARGS ?=
+DEVICE ?= cuda
 
-.PHONY: help setup lint test bench new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test bench gpu-check new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path]"
@@ -54,6 +55,9 @@ test: lint ## Lint, then run the test suite (CPU, offline)
 
 bench: $(STAMP) ## Measure loop overhead, checkpoint stall and throughput; writes benchmarks/RESULTS.md
 	$(PY) -m benchmarks.run $(ARGS)
+
+gpu-check: $(STAMP) ## Every GPU check and figure in one command, recorded in benchmarks/RESULTS.md (DEVICE=cpu: tiny)
+	$(PY) -m benchmarks.gpu_check --device $(DEVICE) $(ARGS)
 
 new-recipe: $(STAMP) ## Copy a recipe with its config and tests: NAME=x [FROM=fashion_mnist]
 	$(PY) -m tools.new_recipe --name "$(NAME)" --from "$(or $(FROM),fashion_mnist)"

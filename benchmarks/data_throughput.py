@@ -34,7 +34,7 @@ from benchmarks.results import Result
 from common.data import PerSampleSeeded, seeded_generator
 from common.entry import validate_overrides
 from recipes.tv_segmentation.coco import voc_palette
-from tests.fake_data import write_cifar100_tarball, write_fashion_mnist
+from tools.tiny_data import write_cifar100_tarball, write_fashion_mnist
 
 BENCHMARK = "data throughput"
 REPO = Path(__file__).resolve().parents[1]

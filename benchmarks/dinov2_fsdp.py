@@ -1,7 +1,8 @@
 """dinov2_fsdp: fine-tune throughput (images/s) and model FLOPs utilisation for ViT-B/14 and ViT-L/14.
 
 One step is the recipe's stage-2 step on one device (all parameters trainable): upsample a uint8
-CIFAR batch to 224 px, forward under bf16 autocast, cross-entropy, backward, AdamW. It is timed
+CIFAR batch to 224 px, forward under bf16 autocast, cross-entropy, backward, and the recipe's own
+AdamW (``make_optimizer``: foreach, not fused). It is timed
 with ``torch.compile`` of each transformer block off and on. FLOPs per step are counted once with
 ``torch.utils.flop_counter`` (matmuls, convolutions, attention), and MFU is the achieved FLOP/s
 over the GPU's dense bf16 peak. Without a GPU (quick mode) a tiny DINOv2 runs on the CPU with
@@ -21,6 +22,7 @@ from benchmarks.results import Result
 from common.precision import autocast
 from recipes.dinov2_fsdp.data import to_model_input
 from recipes.dinov2_fsdp.model import DINOV2_ARCHITECTURES, DinoClassifier
+from recipes.dinov2_fsdp.train import make_optimizer
 
 BENCHMARK = "dinov2_fsdp fine-tune"
 # Dense bf16 tensor-core peaks from the vendor data sheets, in FLOP/s.
@@ -91,7 +93,7 @@ def synchronize(device: torch.device) -> None:
 def measure(size: Size, device: torch.device, compile_blocks: bool, warmup: int, steps: int) -> list[Result]:
     torch.manual_seed(0)
     model = build(size, device, compile_blocks)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    optimizer = make_optimizer(model, lr=1e-5, weight_decay=0.05)
     images = torch.randint(0, 256, (size.batch_size, 3, 32, 32), dtype=torch.uint8, device=device)
     labels = torch.randint(0, 100, (size.batch_size,), device=device)
     for _ in range(warmup):

@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 
 from benchmarks.results import Result
 from common.data import seeded_generator
+from common.determinism import configure_determinism
 from common.distributed import init_distributed
 from common.entry import validate_overrides
 from common.loggers import RunLogger
@@ -39,7 +40,7 @@ from common.sampler import ResumableDistributedSampler
 from recipes.fashion_mnist import train as recipe
 from recipes.fashion_mnist.data import load_split, normalize
 from recipes.fashion_mnist.model import build_model
-from tests.fake_data import write_fashion_mnist
+from tools.tiny_data import write_fashion_mnist
 
 BENCHMARK = "loop overhead (fashion_mnist)"
 SEGMENT = 10  # steps per timed segment
@@ -109,6 +110,7 @@ def measure(device_name: str, pairs: int, batch_size: int, workdir: Path) -> dic
         f"trainer.max_steps={steps}", f"trainer.log_every_steps={SEGMENT}", "checkpoint.every_steps=0",
         "checkpoint.every_seconds=1e9",
     ])
+    configure_determinism(cfg.trainer.deterministic, cfg.device)  # as the recipe's main does
     dist_info = init_distributed(cfg.device)
     bare = BareLoop(cfg, dist_info.device)
     bare.steps(WARMUP_STEPS)
@@ -147,7 +149,7 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int) -
     sampler = ResumableDistributedSampler(10**9)
     sums = SumMetrics(device)
     stop_flag = StopFlag()
-    cadence = CheckpointCadence(0, 1e9, 10, device, stop_flag)
+    cadence = CheckpointCadence(0, 1e9, 10, stop_flag)
     logger = RunLogger("none", ".", True, "bench", progress_bar=False)
     bar = logger.progress(steps, 0, "bookkeeping")
     synchronize(device)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from benchmarks.results import Result
 from common.checkpoint import CheckpointManager
-from tests.fake_data import write_cifar100_tarball, write_fashion_mnist
+from tools.tiny_data import write_cifar100_tarball, write_fashion_mnist
 
 BENCHMARK = "resume cost (process start to end of first step)"
 REPO = Path(__file__).resolve().parents[1]

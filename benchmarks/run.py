@@ -31,7 +31,7 @@ import benchmarks
 from benchmarks.results import Result
 
 RESULTS_FILE = Path(__file__).with_name("RESULTS.md")
-NOT_BENCHMARKS = {"run", "results"}
+NOT_BENCHMARKS = {"run", "results", "gpu_check"}
 HAND_START = "<!-- hand-written: start (kept by benchmarks/run.py) -->"
 HAND_END = "<!-- hand-written: end -->"
 HAND_TEMPLATE = (

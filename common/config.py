@@ -47,6 +47,9 @@ class TrainerConfig:
     log_every_steps: int = 50
     eval_every_epochs: int = 1
     compile: bool = False
+    # Deterministic kernels, no cuDNN autotuning: on a GPU a resumed run then ends bit-identical to an
+    # uninterrupted one (same GPU model and software). Off: TF32 matmuls and cuDNN autotuning on CUDA.
+    deterministic: bool = False
     channels_last: bool = False
     num_workers: int = 0
 

@@ -10,6 +10,7 @@ uninterrupted run. :class:`PerSampleSeeded` makes each sample's randomness a fun
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import random
 from collections.abc import Callable, Iterator
@@ -20,6 +21,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from common.sampler import ResumableDistributedSampler
+
+
+@functools.cache
+def channel_constants(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """``values`` as a ``[1, C, 1, 1]`` float tensor on ``device``, made once per device and
+    reused: making it per batch would copy from the host and synchronise with the GPU each time."""
+    return torch.tensor(values, device=device).view(1, -1, 1, 1)
 
 
 def sample_seed(*keys: int) -> int:

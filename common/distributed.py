@@ -9,6 +9,7 @@ one node do not collide. With neither, the run is a single process and no group 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,34 +71,72 @@ def _launch_env() -> tuple[int, int, int, str]:
     return 0, 1, 0, "single"
 
 
-def resolve_device(preference: str, local_rank: int = 0) -> torch.device:
+def wants_cuda(preference: str) -> bool:
+    """Whether ``device=preference`` will train on CUDA (answered without starting CUDA)."""
+    return preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+
+
+def gpu_index(local_rank: int, launcher: str) -> int:
+    """This process's GPU on its node. More processes on a node than GPUs is a user error said in
+    one line (two ranks on one GPU make NCCL fail with "Duplicate GPU detected")."""
+    gpus = torch.cuda.device_count()
+    if launcher == "slurm" and gpus == 1:
+        return 0  # srun --gpus-per-task=1: each task sees its own GPU as device 0
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))  # torchrun sets it
+    if processes > gpus:
+        raise UserError(f"{processes} processes on this node but {gpus} GPU(s) visible: start at most {gpus} "
+                        f"per node (torchrun --nproc-per-node, srun --ntasks-per-node) or use device=cpu")
+    return local_rank
+
+
+def resolve_device(preference: str, local_rank: int = 0, launcher: str = "single") -> torch.device:
     """``auto`` picks CUDA when present, else CPU; ``cuda`` without a GPU is a user error."""
-    if preference == "auto":
-        preference = "cuda" if torch.cuda.is_available() else "cpu"
-    if preference == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("device=cuda was asked for but no CUDA GPU is visible; use device=cpu or device=auto")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    if preference == "cpu":
+    if preference not in ("auto", "cpu", "cuda"):
+        raise UserError(f"device must be auto, cpu or cuda, not {preference!r}")
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda was asked for but no CUDA GPU is visible; use device=cpu or device=auto")
+    if not wants_cuda(preference):
         return torch.device("cpu")
-    raise UserError(f"device must be auto, cpu or cuda, not {preference!r}")
+    index = gpu_index(local_rank, launcher)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
-def init_distributed(device_preference: str = "auto", timeout_s: int = 600) -> DistInfo:
-    """Join the process group (nccl on CUDA, gloo on CPU) if launched with several processes."""
+def process_group_backend(device: torch.device, cpu_collectives: bool = False) -> str:
+    """gloo on the CPU; nccl on CUDA, with gloo beside it for collectives on host tensors
+    (``cpu_collectives``: e.g. gradient clipping over CPU-offloaded FSDP shards)."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: int = 600, cpu_collectives: bool = False,
+                     group_of_one: bool = False) -> DistInfo:
+    """Join the process group if launched with several processes (see :func:`process_group_backend`).
+
+    ``group_of_one`` makes a group for a single process too, so that code written for a group
+    (FSDP2) runs on one GPU.
+    """
     rank, world_size, local_rank, launcher = _launch_env()
-    device = resolve_device(device_preference, local_rank)
-    if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+    device = resolve_device(device_preference, local_rank, launcher)
+    if (world_size > 1 or group_of_one) and not dist.is_initialized():
+        if world_size == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group(
-            backend=backend,
+            backend=process_group_backend(device, cpu_collectives),
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, launcher=launcher)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def shutdown_distributed() -> None:

@@ -6,8 +6,10 @@ step, writes a checkpoint and exits with :data:`common.errors.EXIT_PREEMPTED`.
 
 Every rank must take the same decision at the same step, or a collective would hang. Step
 cadence is the same everywhere by construction; the wall clock and signals are local, so
-every ``sync_every_steps`` steps the ranks agree with one tiny all-reduce (MAX). A single
-process checks every step at no cost.
+every ``sync_every_steps`` steps the ranks agree with one tiny all-reduce (MAX) of a host
+tensor over gloo: on a GPU it waits for the other ranks' processes, never for the GPU's queue
+of work (an nccl all-reduce read back on the host would drain it). A single process checks
+every step at no cost.
 """
 
 from __future__ import annotations
@@ -52,6 +54,14 @@ class StopFlag:
             signal.signal(signum, handler)
 
 
+def host_group() -> dist.ProcessGroup | None:
+    """A group that all-reduces host tensors: the default one when it has gloo (a CPU run, or
+    ``cpu:gloo,cuda:nccl``), else a gloo group made for it. Collective: every rank calls it."""
+    if "gloo" in dist.get_backend():
+        return None
+    return dist.new_group(backend="gloo")
+
+
 class CheckpointCadence:
     """Decides after each optimizer step whether to save and whether to stop."""
 
@@ -60,21 +70,20 @@ class CheckpointCadence:
         every_steps: int,
         every_seconds: float,
         sync_every_steps: int,
-        device: torch.device,
         stop_flag: StopFlag,
     ) -> None:
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.sync_every_steps = max(1, sync_every_steps) if self.distributed else 1
-        self.device = device if not self.distributed or dist.get_backend() == "nccl" else torch.device("cpu")
+        self.group = host_group() if self.distributed else None
         self.stop_flag = stop_flag
         self.last_save = time.monotonic()
 
     @classmethod
-    def from_config(cls, cfg: Any, device: torch.device) -> CheckpointCadence:
+    def from_config(cls, cfg: Any) -> CheckpointCadence:
         """From a recipe's ``checkpoint`` node; installs the SIGTERM/SIGUSR1 handlers."""
-        return cls(cfg.every_steps, cfg.every_seconds, cfg.sync_every_steps, device, StopFlag())
+        return cls(cfg.every_steps, cfg.every_seconds, cfg.sync_every_steps, StopFlag())
 
     def preempted(self, step: int) -> Preempted:
         """The exception a recipe raises once the checkpoint for a stop decision is written."""
@@ -95,7 +104,7 @@ class CheckpointCadence:
         due = self.every_seconds > 0 and time.monotonic() - self.last_save >= self.every_seconds
         stop = self.stop_flag.raised
         if self.distributed:
-            flags = torch.tensor([float(due), float(stop)], device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            flags = torch.tensor([float(due), float(stop)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             due, stop = (value > 0 for value in flags.tolist())
         return Decision(save=by_steps or due or stop, stop=stop)

@@ -82,15 +82,16 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`'s result, whatever device its tensors were loaded to (the
+    generators take CPU byte tensors only)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     saved = state["numpy"]
-    np.random.set_state(
-        ("MT19937", saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"], saved["cached_gaussian"])
-    )
-    torch.set_rng_state(state["torch"])
+    keys = saved["keys"].cpu().numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([cuda_state.cpu() for cuda_state in state["cuda"]])
 
 
 def capture(
@@ -103,13 +104,17 @@ def capture(
     metrics: Any = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The checkpoint state. Collective: every rank must call it (RNG states are gathered).
+    """The checkpoint state. Collective: every rank must call it (each rank's RNG states and
+    partial metric sums are gathered, since only rank 0 writes ``state.pt``).
 
     Pass ``model=None`` and ``optimizer=None`` when they are saved sharded (FSDP).
     """
+    per_rank = distributed.all_gather_object(
+        {"rng": rng_state(), "metrics": metrics.state_dict() if metrics is not None else None}
+    )
     state: dict[str, Any] = {
         "progress": asdict(progress),
-        "rng": distributed.all_gather_object(rng_state()),
+        "rng": [own["rng"] for own in per_rank],
     }
     if model is not None:
         state["model"] = unwrap_model(model).state_dict()
@@ -122,7 +127,7 @@ def capture(
     if sampler is not None:
         state["sampler"] = sampler.state_dict()
     if metrics is not None:
-        state["metrics"] = metrics.state_dict()
+        state["metrics"] = [own["metrics"] for own in per_rank]
     if extra:
         state["extra"] = extra
     return state
@@ -139,8 +144,10 @@ def restore(
 ) -> Progress:
     """Load ``state`` into the live objects and return the saved progress, one resume later.
 
-    RNG states are restored per rank when the world size is unchanged; on a different
-    world size every rank takes rank 0's (the run continues, but cannot be bit-exact).
+    ``state`` may have been loaded to any device. RNG states and partial metric sums are
+    restored per rank when the world size is unchanged. On a different world size every rank
+    takes rank 0's RNG states (the run continues, but cannot be bit-exact), and rank 0 takes the
+    metric sums of all saved ranks while the others start from zero, so the totals are kept.
     """
     if model is not None:
         unwrap_model(model).load_state_dict(state["model"])
@@ -152,14 +159,28 @@ def restore(
         scaler.load_state_dict(state["scaler"])
     if sampler is not None:
         sampler.load_state_dict(state["sampler"])
-    if metrics is not None and "metrics" in state:
-        metrics.load_state_dict(state["metrics"])
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     rngs = state["rng"]
-    same_world = len(rngs) == (dist.get_world_size() if dist.is_initialized() else 1)
-    set_rng_state(rngs[dist.get_rank() if dist.is_initialized() else 0] if same_world else rngs[0])
+    same_world = len(rngs) == world_size
+    if metrics is not None and "metrics" in state:
+        saved_sums = state["metrics"]
+        if same_world:
+            metrics.load_state_dict(saved_sums[rank])
+        else:
+            metrics.load_state_dict(merged_sums(saved_sums) if rank == 0 else {})
+    set_rng_state(rngs[rank] if same_world else rngs[0])
     progress = Progress(**state["progress"])
     progress.resumes += 1
     return progress
+
+
+def merged_sums(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Several ranks' :meth:`~common.metrics.SumMetrics.state_dict` added into one."""
+    merged: dict[str, torch.Tensor] = {}
+    for sums in per_rank:
+        for name, value in sums.items():
+            merged[name] = merged[name] + value.cpu() if name in merged else value.cpu()
+    return merged
 
 
 def state_digest(state_dict: dict[str, torch.Tensor]) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,8 +13,9 @@ import pytest
 
 from cluster.processes import kill_tree
 from common.checkpoint import committed_checkpoints, latest_checkpoint
+from common.distributed import free_port  # noqa: F401  (tests import it from here)
 from tests import slurm_cluster as sc
-from tests.fake_data import write_fashion_mnist
+from tools.tiny_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +32,8 @@ def recipe_env(**extra: str) -> dict[str, str]:
 def recipe_command(recipe: str, overrides: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", f"recipes.{recipe}.train", *overrides]
+    if not any(override.startswith("device=") for override in overrides):
+        overrides = ["device=cpu", *overrides]  # several ranks on gloo, whatever GPUs this machine has
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", f"recipes.{recipe}.train", *overrides]
 
@@ -119,9 +121,3 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory):
     sc.require_slurm_or_skip()
     with sc.running_local_slurm(tmp_path_factory.mktemp("slurm")) as env:
         yield env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

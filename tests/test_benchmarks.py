@@ -77,3 +77,17 @@ def test_result_values_are_formatted_for_reading() -> None:
     assert harness.format_value(0.01234) == "0.0123"
     assert harness.format_value(float("nan")) == "n/a"
     assert Result("b", "s", 1.0, "u").note == ""
+
+
+def test_throughput_from_two_run_lengths_is_exact_when_only_the_first_run_pays_warm_up() -> None:
+    """Runs cost 5 s of start-up and 0.1 s per step, and the process's first run 30 s more
+    (CUDA context, cuDNN autotuning, compilation): 10 images per step give 100 images/s."""
+    from benchmarks.cifar100_resnet50 import images_per_second_between
+
+    runs = []
+
+    def seconds_for_steps(steps: int) -> float:
+        runs.append(steps)
+        return 5 + 0.1 * steps + (30 if len(runs) == 1 else 0)
+
+    assert images_per_second_between(seconds_for_steps, short=20, long=120, batch_size=10) == pytest.approx(100)

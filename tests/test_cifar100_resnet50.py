@@ -36,11 +36,12 @@ from tests.conftest import (
     start_recipe,
     wait_for_step,
 )
-from tests.fake_data import write_cifar100_tarball
+from tools.tiny_data import write_cifar100_tarball
 
 RECIPE = "cifar100_resnet50"
 N_TRAIN, N_TEST = 48, 16
 TINY = [
+    "trainer.deterministic=true",  # the digest comparisons hold on a GPU too
     "model.name=test_resnet",
     "trainer.precision=fp32",
     "trainer.batch_size=8",

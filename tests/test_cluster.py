@@ -17,10 +17,10 @@ import pytest
 
 from tests import slurm_cluster as sc
 from tests.conftest import REPO, free_port, latest_step, read_summary, recipe_env
-from tests.fake_data import write_fashion_mnist
+from tools.tiny_data import write_fashion_mnist
 
-TINY = ["model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=32", "logging.backend=none",
-        "logging.progress_bar=false"]
+TINY = ["trainer.deterministic=true", "model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=32",
+        "logging.backend=none", "logging.progress_bar=false"]
 SHELL_SCRIPTS = sorted(
     path for pattern in ("*.sh", "*.sbatch", "*.pbs") for path in (REPO / "cluster").rglob(pattern)
 )

@@ -35,7 +35,7 @@ from tests.conftest import (
     start_recipe,
     wait_for_step,
 )
-from tests.fake_data import write_cifar100_tarball
+from tools.tiny_data import write_cifar100_tarball
 
 RECIPE = "dinov2_fsdp"
 N_TRAIN, N_TEST = 32, 11  # 11 test images: 2 ranks evaluate 6 and 5 of them
@@ -75,7 +75,8 @@ def overrides(data: Path, backbone: Path | str, run_dir: Path, *extra: str) -> l
         f"data.root={data}", f"model.weights={backbone}", f"run_dir={run_dir}", "model.image_size=28",
         "trainer.batch_size=4", "trainer.global_batch_size=8", "trainer.epochs=3", "stages.probe_epochs=1",
         "optim.lr=0.05", "trainer.log_every_steps=2", "checkpoint.every_seconds=0", "checkpoint.every_steps=1",
-        "checkpoint.keep_last=100", "seed=3", "logging.backend=none", "logging.progress_bar=false", *extra,
+        "checkpoint.keep_last=100", "seed=3", "logging.backend=none", "logging.progress_bar=false",
+        "trainer.deterministic=true", *extra,
     ]
 
 
@@ -348,3 +349,61 @@ def test_prep_stores_the_backbone_from_a_local_copy_and_fails_in_one_line_offlin
     assert "could not fetch facebook/dinov2-small from the hub" in offline.stderr
     assert "WEIGHTS=<dir or file>" in offline.stderr
     assert not (workdir / "data" / "weights" / "facebook" / "dinov2-small").exists()
+
+
+def _init_mp_dtypes_before_torch_2_14(self) -> None:  # noqa: ANN001
+    """``FSDPParamGroup._init_mp_dtypes`` as torch releases before 2.14 behave: a unit without
+    trainable parameters gets no dtypes at all (2.14 falls back to all of its parameters)."""
+    for fsdp_param in self.fsdp_params:
+        fsdp_param.init_dtype_attrs(self.mp_policy)
+    trainable = [fsdp_param for fsdp_param in self.fsdp_params if fsdp_param.sharded_param.requires_grad]
+    self._orig_dtype = trainable[0].orig_dtype if trainable else None
+    self._reduce_dtype = trainable[0].reduce_dtype if trainable else None
+
+
+def _stage_switch_worker(rank: int, port: int, probe_forward_first: bool, results: Path) -> None:
+    import os
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from transformers import Dinov2Model
+
+    from recipes.dinov2_fsdp.model import DinoClassifier, refresh_mixed_precision, shard_with_fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    FSDPParamGroup._init_mp_dtypes = _init_mp_dtypes_before_torch_2_14
+    try:
+        torch.manual_seed(0)
+        model = DinoClassifier(Dinov2Model(tiny_dinov2_config()), "transformers", "cls")
+        shard_with_fsdp(model, "bf16", reshard_after_forward=True, cpu_offload=False)
+        images, labels = torch.randn(4, 3, 28, 28), torch.randint(0, 100, (4,))
+        model.set_backbone_trainable(False)
+        if probe_forward_first:  # a probe step: FSDP sets its dtypes up with the backbone frozen
+            F.cross_entropy(model(images).float(), labels).backward()
+        model.set_backbone_trainable(True)
+        refresh_mixed_precision(model)
+        F.cross_entropy(model(images).float(), labels).backward()
+        grads = {name: param.grad.dtype for name, param in model.named_parameters() if param.grad is not None}
+        (results / f"rank{rank}.txt").write_text(f"{len(grads)} {sorted(set(map(str, grads.values())))}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("probe_forward_first", [True, False], ids=["after-probe-steps", "resumed-at-the-switch"])
+def test_finetune_after_the_probe_does_not_depend_on_fsdp_dtype_fallbacks(tmp_path: Path,
+                                                                          probe_forward_first: bool) -> None:
+    """With bf16 FSDP2 units first run while frozen, the fine-tune backward still gives every
+    parameter an fp32 gradient under torch releases without 2.14's dtype fallback (emulated)."""
+    import torch.multiprocessing as mp
+    from transformers import Dinov2Model
+
+    from recipes.dinov2_fsdp.model import NEVER_TRAINED, DinoClassifier
+    from tests.conftest import free_port
+
+    mp.spawn(_stage_switch_worker, args=(free_port(), probe_forward_first, tmp_path), nprocs=2, join=True)
+    model = DinoClassifier(Dinov2Model(tiny_dinov2_config()), "transformers", "cls")
+    trainable = sum(1 for name, _ in model.named_parameters() if name not in NEVER_TRAINED)
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == f"{trainable} ['torch.float32']"

@@ -56,6 +56,42 @@ def test_asking_for_cuda_without_a_gpu_is_a_user_error() -> None:
         distributed.resolve_device("cuda")
 
 
+@pytest.fixture
+def one_fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """CUDA reported present with one GPU; returns the indices ``set_device`` was called with."""
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    return chosen
+
+
+def test_more_processes_on_a_node_than_gpus_is_refused_in_one_line(one_fake_gpu: list[int],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for local_rank in (0, 1):  # every rank says so, not only the one without a GPU
+        with pytest.raises(UserError, match=r"^2 processes on this node but 1 GPU\(s\) visible: start at most 1 "):
+            distributed.resolve_device("auto", local_rank, "torchrun")
+    assert one_fake_gpu == []
+    assert distributed.resolve_device("cpu", 1, "torchrun") == torch.device("cpu")
+
+
+def test_one_process_per_gpu_takes_its_local_rank(one_fake_gpu: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert distributed.resolve_device("cuda", 0, "torchrun") == torch.device("cuda", 0)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    # srun --gpus-per-task=1: task 3 of a node sees only its own GPU, as device 0.
+    assert distributed.resolve_device("cuda", 3, "slurm") == torch.device("cuda", 0)
+    assert one_fake_gpu == [0, 0]
+
+
+def test_process_group_backends() -> None:
+    assert distributed.process_group_backend(torch.device("cpu")) == "gloo"
+    assert distributed.process_group_backend(torch.device("cuda", 0)) == "nccl"
+    # FSDP2's CPU offload with gradient clipping reduces host tensors: gloo beside nccl.
+    assert distributed.process_group_backend(torch.device("cuda", 0), cpu_collectives=True) == "cpu:gloo,cuda:nccl"
+
+
 def test_accumulation_and_lr_scaling_rules() -> None:
     assert accumulation_steps(0, 32, 4) == 1
     assert accumulation_steps(256, 32, 2) == 4
@@ -67,9 +103,11 @@ def test_accumulation_and_lr_scaling_rules() -> None:
     assert scaled_lr(0.1, 1024, 256, "none") == 0.1
 
 
-def _worker(rank: int, world_size: int, port: int, results: Path) -> None:
+def _worker(rank: int, world_size: int, port: int, results: Path, main_backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if main_backend == "nccl":  # what the cadence sees on GPUs: it must agree over a gloo group of its own
+        dist.get_backend = lambda group=None: "nccl"
     try:
         # Rank 0 sees 1 sample, all correct; rank 1 sees 3, none correct. The exact accuracy is
         # 1/4; an average of rank averages would say 1/2.
@@ -83,8 +121,8 @@ def _worker(rank: int, world_size: int, port: int, results: Path) -> None:
         # Only rank 1 receives the signal, during step 3; with checks every 2 steps both ranks
         # must decide to save and stop at step 4, neither earlier.
         flag = StopFlag()
-        cadence = CheckpointCadence(every_steps=0, every_seconds=0, sync_every_steps=2,
-                                    device=torch.device("cpu"), stop_flag=flag)
+        cadence = CheckpointCadence(every_steps=0, every_seconds=0, sync_every_steps=2, stop_flag=flag)
+        assert (cadence.group is None) == (main_backend == "gloo")
         stopped_at = None
         for step in range(1, 9):
             if rank == 1 and step == 3:
@@ -100,8 +138,9 @@ def _worker(rank: int, world_size: int, port: int, results: Path) -> None:
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_reduce_exactly_and_agree_when_to_stop(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, free_port(), tmp_path), nprocs=2, join=True)
+@pytest.mark.parametrize("main_backend", ["gloo", "nccl"])
+def test_two_gloo_ranks_reduce_exactly_and_agree_when_to_stop(tmp_path: Path, main_backend: str) -> None:
+    mp.spawn(_worker, args=(2, free_port(), tmp_path, main_backend), nprocs=2, join=True)
     for rank in range(2):
         accuracy, stopped_at = (tmp_path / f"rank{rank}.txt").read_text().split()
         assert float(accuracy) == 0.25

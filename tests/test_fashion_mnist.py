@@ -12,6 +12,7 @@ from tests.conftest import assert_ok, kill_run, latest_step, read_summary, run_r
 
 RECIPE = "fashion_mnist"
 TINY = [
+    "trainer.deterministic=true",  # the digest comparisons hold on a GPU too
     "model.channels=[4,8]",
     "model.hidden=16",
     "trainer.batch_size=16",

@@ -13,7 +13,7 @@ import pytest
 from common.errors import UserError
 from data_prep import fashion_mnist as prep
 from tests.conftest import REPO
-from tests.fake_data import write_fashion_mnist
+from tools.tiny_data import write_fashion_mnist
 
 
 def run_prep(*args: str) -> subprocess.CompletedProcess:

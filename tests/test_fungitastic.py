@@ -36,11 +36,12 @@ from tests.conftest import (
     start_recipe,
     wait_for_step,
 )
-from tests.fake_data import FUNGI_TAXA, write_fungitastic
+from tools.tiny_data import FUNGI_TAXA, write_fungitastic
 
 RECIPE = "fungitastic"
 RANKS = ["species", "genus", "family", "order", "class", "phylum"]
 TINY = [
+    "trainer.deterministic=true",  # the digest comparisons hold on a GPU too
     "model.name=test_vit",
     "model.pretrained=",
     "model.drop_path_rate=0",

@@ -33,7 +33,7 @@ from tests.conftest import (
     start_recipe,
     wait_for_step,
 )
-from tests.fake_data import write_fashion_mnist
+from tools.tiny_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.parent.name for p in (REPO / "recipes").glob("*/train.py"))

@@ -19,7 +19,7 @@ from recipes.timm_imagenet.data import resolve, train_transform
 from recipes.timm_imagenet.model import build_model
 from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
 from tests.conftest import assert_ok, kill_run, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
-from tests.fake_data import write_image_folder
+from tools.tiny_data import write_image_folder
 
 RECIPE = "timm_imagenet"
 PRESETS = {  # preset: (timm model, published parameter count in millions)
@@ -33,6 +33,7 @@ PRESETS = {  # preset: (timm model, published parameter count in millions)
     "timm_vit_large_patch16_224": ("vit_large_patch16_224", 304.3),
 }
 TINY = [
+    "trainer.deterministic=true",  # the digest comparisons hold on a GPU too
     "model.name=test_resnet",
     "data.train_size=32",
     "data.eval_size=32",

@@ -19,7 +19,7 @@ from timm.data.mixup import mixup_target
 from torchvision.transforms import v2
 
 from common import cifar100
-from common.data import seeded_global_rng
+from common.data import channel_constants, seeded_global_rng
 from common.errors import UserError
 from recipes.cifar100_resnet50.config import DataConfig
 
@@ -42,9 +42,7 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     """uint8 ``[B, 3, H, W]`` (or float in [0, 1]) to normalized float."""
     if images.dtype == torch.uint8:
         images = images.float() / 255.0
-    mean = torch.tensor(MEAN, device=images.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=images.device).view(1, 3, 1, 1)
-    return (images - mean) / std
+    return (images - channel_constants(MEAN, images.device)) / channel_constants(STD, images.device)
 
 
 def crop_and_flip(images: torch.Tensor, padding: int, flip: bool, generator: torch.Generator) -> torch.Tensor:

@@ -47,7 +47,10 @@ class FSDPConfig:
     """Used when there are several ranks; one rank trains the plain module under autocast."""
 
     reshard_after_forward: bool = True  # free the gathered weights after forward (less memory, more traffic)
-    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in host memory (CUDA)
+    # Keep sharded parameters, gradients and optimizer state in host memory (CUDA). The process group
+    # then gets gloo beside nccl: gradient clipping reduces the offloaded shards on the CPU.
+    cpu_offload: bool = False
+    on_one_rank: bool = False  # shard with FSDP2 on a single rank too (a group of one): checks FSDP on one GPU
 
 
 @dataclass

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.data import channel_constants
+
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 
@@ -38,6 +40,4 @@ def to_model_input(images: torch.Tensor, image_size: int) -> torch.Tensor:
     x = images.float() / 255.0
     if x.shape[-1] != image_size:
         x = F.interpolate(x, size=(image_size, image_size), mode="bicubic", align_corners=False)
-    mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
-    return (x - mean) / std
+    return (x - channel_constants(MEAN, x.device)) / channel_constants(STD, x.device)

@@ -136,6 +136,24 @@ def build_model(cfg: ModelConfig) -> DinoClassifier:
     return DinoClassifier(backbone, cfg.library, cfg.features)
 
 
+def refresh_mixed_precision(model: DinoClassifier) -> None:
+    """Make every FSDP2 unit derive its mixed-precision dtypes from the parameters trainable now.
+
+    FSDP2 fixes a unit's gradient dtypes from its trainable parameters when the unit first runs,
+    which is during the probe, when the backbone's blocks have none: torch 2.14 then falls back
+    to all parameters, earlier releases leave the dtypes unset, and the first fine-tune backward
+    fails ("attempting to assign a gradient with dtype BFloat16 to a tensor with dtype float")
+    or reduces in the wrong dtype. ``unshard()`` (public API) re-runs that set-up in every
+    release, so calling it after unfreezing makes the switch independent of the fallback.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
+
+
 def shard_with_fsdp(model: DinoClassifier, precision: str, reshard_after_forward: bool, cpu_offload: bool) -> None:
     """FSDP2 in place: every transformer block is a unit, then the root holds the rest.
 

@@ -7,9 +7,9 @@ Stage 1 (the first ``stages.probe_epochs`` epochs) trains only the head: the bac
 gradients and no optimizer state. Stage 2 trains everything at ``stages.finetune_lr_ratio`` of
 the probe LR with a fresh optimizer and schedule. The stage is saved in every checkpoint.
 
-With several ranks the model is sharded with FSDP2 (one unit per transformer block, then the
-root) and checkpoints hold its shards (``torch.distributed.checkpoint``), so a run can resume
-on a different number of ranks. Run contract: see README.md.
+With several ranks (or ``fsdp.on_one_rank=true``) the model is sharded with FSDP2 (one unit per
+transformer block, then the root) and checkpoints hold its shards (``torch.distributed.checkpoint``),
+so a run can resume on a different number of ranks. Run contract: see README.md.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from common import cifar100, train_state
 from common.checkpoint import SHARDED_DIR, CheckpointManager
 from common.data import seeded_generator
+from common.determinism import configure_determinism
 from common.distributed import DistInfo, init_distributed, shutdown_distributed
 from common.entry import recipe_main
 from common.errors import UserError
@@ -46,7 +47,7 @@ from common.sampler import ResumableDistributedSampler
 from common.summary import where_outputs_are, write_summary
 from recipes.dinov2_fsdp import config as _schema  # noqa: F401  (registers the schema)
 from recipes.dinov2_fsdp.data import augment, to_model_input
-from recipes.dinov2_fsdp.model import build_model, shard_with_fsdp
+from recipes.dinov2_fsdp.model import build_model, refresh_mixed_precision, shard_with_fsdp
 
 
 class Stage(str, Enum):
@@ -101,6 +102,12 @@ def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
     return {"eval/loss": ratio(totals, "loss", "count"), "eval/accuracy": ratio(totals, "correct", "count")}
 
 
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, no weight decay on norms and biases; PyTorch's default
+    implementation (foreach on CUDA), which works on FSDP2's sharded parameters."""
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
+
+
 def load_optimizer_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
     """Load the optimizer's shards of ``checkpoint`` once its stage has decided which optimizer exists."""
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
@@ -110,7 +117,9 @@ def load_optimizer_shards(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 @recipe_main("dinov2_fsdp")
 def main(cfg: DictConfig) -> None:
-    dist_info = init_distributed(cfg.device)
+    configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
+    dist_info = init_distributed(cfg.device, cpu_collectives=cfg.fsdp.cpu_offload,
+                                 group_of_one=cfg.fsdp.on_one_rank)
     try:
         train(cfg, dist_info)
     finally:
@@ -133,9 +142,10 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     model.to(device)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if dist_info.distributed:
+    sharded = dist_info.distributed or cfg.fsdp.on_one_rank
+    if sharded:
         shard_with_fsdp(model, cfg.trainer.precision, cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload)
-    compute_precision = "fp32" if dist_info.distributed else cfg.trainer.precision  # FSDP casts parameters itself
+    compute_precision = "fp32" if sharded else cfg.trainer.precision  # FSDP casts parameters itself
     if cfg.trainer.compile:  # each block's forward; FSDP's hooks around it stay eager
         for block in model.blocks:
             block.forward = torch.compile(block.forward)
@@ -160,12 +170,14 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     def start_stage(stage: Stage) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         """Freeze or unfreeze the backbone; a fresh AdamW over the trainable parameters, and its schedule."""
         model.set_backbone_trainable(stage == Stage.finetune)
+        if sharded and stage == Stage.finetune:
+            refresh_mixed_precision(model)
         if stage == Stage.probe:
             lr, steps, warmup = probe_lr, probe_steps, cfg.stages.probe_warmup_epochs
         else:
             lr, steps = probe_lr * cfg.stages.finetune_lr_ratio, total_steps - probe_steps
             warmup = cfg.stages.finetune_warmup_epochs
-        optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=lr)
+        optimizer = make_optimizer(model, lr, cfg.optim.weight_decay)
         scheduler = warmup_cosine(optimizer, round(warmup * steps_per_epoch), steps, cfg.optim.min_lr_ratio)
         return optimizer, scheduler
 
@@ -194,13 +206,13 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                        f"stage {stage.value})")
     logger.console(
         f"dinov2_fsdp: {cfg.model.name} at {cfg.model.image_size}px, {dist_info.world_size} rank(s) on "
-        f"{device.type}{' with FSDP2' if dist_info.distributed else ''}, global batch {global_batch} "
+        f"{device.type}{' with FSDP2' if sharded else ''}, global batch {global_batch} "
         f"({micro_batch} x {dist_info.world_size} ranks x {accumulate} accumulation), probe lr {probe_lr:g}, "
         f"{probe_steps} probe + {total_steps - probe_steps} fine-tune steps"
     )
 
     timer = train_state.SegmentTimer()
-    cadence = CheckpointCadence.from_config(cfg.checkpoint, device)
+    cadence = CheckpointCadence.from_config(cfg.checkpoint)
 
     def save(metrics: dict[str, float] | None = None, milestone: str | None = None) -> None:
         progress.train_seconds += timer.lap()
@@ -257,7 +269,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                 if trainer_cfg.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
                 y = train_labels[batch]
-                if dist_info.distributed:
+                if sharded:
                     model.set_requires_gradient_sync(i == len(group) - 1)
                 with autocast(device, compute_precision):
                     logits = model(x).float()

@@ -20,6 +20,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
+from common.data import channel_constants
 from common.errors import UserError
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import DataConfig
@@ -116,6 +117,6 @@ class FungiImages(Dataset):
 
 def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """uint8 ``[B, 3, H, W]`` to float normalised with the backbone's mean and std (on its device)."""
-    mean_t = torch.tensor(mean, device=images.device).view(1, -1, 1, 1) * 255
-    std_t = torch.tensor(std, device=images.device).view(1, -1, 1, 1) * 255
+    mean_t = channel_constants(tuple(255 * value for value in mean), images.device)
+    std_t = channel_constants(tuple(255 * value for value in std), images.device)
     return (images.float() - mean_t) / std_t

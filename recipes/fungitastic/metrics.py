@@ -18,10 +18,12 @@ from recipes.fungitastic.metadata import UNKNOWN
 TOP_K = 3
 
 
-def class_counts(indices: torch.Tensor, classes: int) -> torch.Tensor:
-    """How often each class occurs in ``indices`` (``bincount`` without its host sync on CUDA)."""
+def class_counts(indices: torch.Tensor, counted: torch.Tensor, classes: int) -> torch.Tensor:
+    """How often each class occurs in ``indices`` where ``counted`` is true. No host sync on CUDA:
+    no ``bincount`` (it reads the output size back) and no boolean-mask indexing (the result's
+    size depends on the data); entries not counted are added with weight 0 at index 0."""
     counts = torch.zeros(classes, dtype=torch.float64, device=indices.device)
-    return counts.index_add_(0, indices, torch.ones_like(indices, dtype=torch.float64))
+    return counts.index_add_(0, torch.where(counted, indices, 0), counted.to(torch.float64))
 
 
 def macro_f1(true_positives: torch.Tensor, predicted: torch.Tensor, actual: torch.Tensor) -> float:
@@ -59,16 +61,15 @@ class TaxonomyMetrics:
         """Top-1/top-3 hits and per-class counts of one head; labels of -1 are not counted."""
         classes = self.heads[name]
         valid = labels != UNKNOWN
-        labels, logits = labels[valid], logits[valid]
         top = logits.topk(min(TOP_K, classes), dim=1).indices
         predicted = top[:, 0]
-        hit = predicted == labels
+        hit = (predicted == labels) & valid
         self._add(f"{name}/count", valid.sum().reshape(1))
         self._add(f"{name}/top1_hits", hit.sum().reshape(1))
-        self._add(f"{name}/top3_hits", (top == labels[:, None]).any(1).sum().reshape(1))
-        self._add(f"{name}/tp", class_counts(labels[hit], classes))
-        self._add(f"{name}/predicted", class_counts(predicted, classes))
-        self._add(f"{name}/actual", class_counts(labels, classes))
+        self._add(f"{name}/top3_hits", ((top == labels[:, None]).any(1) & valid).sum().reshape(1))
+        self._add(f"{name}/tp", class_counts(labels, hit, classes))
+        self._add(f"{name}/predicted", class_counts(predicted, valid, classes))
+        self._add(f"{name}/actual", class_counts(labels, valid, classes))
 
     def add_consistency(self, predictions: dict[str, torch.Tensor]) -> None:
         """Whether each higher-rank prediction is the parent of the predicted species."""
@@ -119,5 +120,5 @@ def species_marginals(species_logits: torch.Tensor, parent: torch.Tensor, classe
     probabilities = species_logits.float().softmax(dim=1)
     known = parent != UNKNOWN
     summed = torch.zeros(species_logits.shape[0], classes, device=species_logits.device)
-    summed.index_add_(1, parent[known], probabilities[:, known])
+    summed.index_add_(1, torch.where(known, parent, 0), probabilities * known)  # no boolean mask: no host sync
     return summed.clamp(min=1e-12).log()

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from common import train_state
 from common.checkpoint import CheckpointManager
 from common.data import PerSampleSeeded, make_loader
+from common.determinism import configure_determinism
 from common.distributed import DistInfo, init_distributed, shutdown_distributed
 from common.entry import recipe_main
 from common.errors import UserError
@@ -111,11 +112,13 @@ def eval_loader(split: Split, cfg: DictConfig, dist_info: DistInfo, pin_memory: 
                                           drop_last=False)
     draft = cfg.data.image_size if cfg.data.draft_decode else 0
     dataset = FungiImages(split, eval_transform(cfg.data), draft)
-    return make_loader(dataset, sampler, cfg.trainer.batch_size * 2, cfg.trainer.num_workers, pin_memory)
+    return make_loader(dataset, sampler, cfg.trainer.batch_size * 2, cfg.trainer.num_workers, pin_memory,
+                       generator=torch.Generator())
 
 
 @recipe_main("fungitastic")
 def main(cfg: DictConfig) -> None:
+    configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
     dist_info = init_distributed(cfg.device)
     try:
         train(cfg, dist_info)
@@ -172,7 +175,9 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     draft = cfg.data.image_size if cfg.data.draft_decode else 0
     train_images = PerSampleSeeded(FungiImages(splits["train"], train_transform(cfg.data), draft), cfg.seed)
     micro_batch = cfg.trainer.batch_size
-    train_loader = make_loader(train_images, sampler, micro_batch, cfg.trainer.num_workers, pin_memory)
+    # Own generators: creating an iterator must not draw from the global RNG that drop path uses.
+    train_loader = make_loader(train_images, sampler, micro_batch, cfg.trainer.num_workers, pin_memory,
+                               generator=torch.Generator())
     eval_loaders = {name: eval_loader(split, cfg, dist_info, pin_memory)
                     for name, split in splits.items() if name != "train"}
 
@@ -195,7 +200,9 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     # ---- resume: the newest valid checkpoint in the checkpoint directory, if any ------------
     checkpoints = CheckpointManager.from_config(cfg.checkpoint)
     progress = train_state.Progress()
-    loaded = checkpoints.load_latest(map_location=device) if cfg.checkpoint.resume else None
+    # Loaded to the CPU: RNG states must be there, and so must the optimizer's step counts (on a GPU
+    # each optimizer step would read them back to the host).
+    loaded = checkpoints.load_latest() if cfg.checkpoint.resume else None
     if loaded is not None:
         progress = train_state.restore(loaded.state, model, optimizer, scheduler, scaler, sampler, train_sums)
     else:
@@ -222,7 +229,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
 
     timer = train_state.SegmentTimer()
     log_timer = train_state.SegmentTimer()  # images/s between two logs (saves and evaluations included)
-    cadence = CheckpointCadence.from_config(cfg.checkpoint, device)
+    cadence = CheckpointCadence.from_config(cfg.checkpoint)
 
     def save(metrics: dict[str, float] | None = None) -> None:
         progress.train_seconds += timer.lap()

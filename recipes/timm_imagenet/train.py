@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 from common import train_state
 from common.checkpoint import CheckpointManager
 from common.data import PerSampleSeeded, make_loader, sample_seed
+from common.determinism import configure_determinism
 from common.distributed import DistInfo, init_distributed, shutdown_distributed
 from common.entry import recipe_main
 from common.errors import UserError
@@ -106,6 +107,7 @@ def make_criterion(cfg: DictConfig, mixing: bool) -> torch.nn.Module:
 
 @recipe_main("timm_imagenet")
 def main(cfg: DictConfig) -> None:
+    configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
     dist_info = init_distributed(cfg.device)
     try:
         train(cfg, dist_info)
@@ -195,7 +197,9 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     # ---- resume: the newest valid checkpoint in the checkpoint directory, if any ------------
     checkpoints = CheckpointManager.from_config(cfg.checkpoint)
     progress = train_state.Progress()
-    loaded = checkpoints.load_latest(map_location=device) if cfg.checkpoint.resume else None
+    # Loaded to the CPU: RNG states must be there, and so must the optimizer's step counts (on a GPU
+    # each optimizer step would read them back to the host).
+    loaded = checkpoints.load_latest() if cfg.checkpoint.resume else None
     if loaded is not None:
         try:
             progress = train_state.restore(loaded.state, model, optimizer, scheduler, scaler, sampler, train_sums)
@@ -220,7 +224,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     )
 
     timer = train_state.SegmentTimer()
-    cadence = CheckpointCadence.from_config(cfg.checkpoint, device)
+    cadence = CheckpointCadence.from_config(cfg.checkpoint)
 
     def save(metrics: dict[str, float] | None = None) -> None:
         progress.train_seconds += timer.lap()

@@ -21,10 +21,13 @@ class ConfusionMatrix:
         self.counts = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
 
     def update(self, target: torch.Tensor, prediction: torch.Tensor) -> None:
+        """Add a batch. No host sync on CUDA: no boolean-mask indexing (its size depends on the
+        data) and no ``bincount`` (it reads its output size back); pixels not counted are
+        added with weight 0 at index 0."""
         target, prediction = target.reshape(-1), prediction.reshape(-1)
         counted = (target >= 0) & (target < self.num_classes)
-        pairs = target[counted].long() * self.num_classes + prediction[counted].long()
-        self.counts += torch.bincount(pairs, minlength=self.num_classes**2)
+        pairs = torch.where(counted, target.long() * self.num_classes + prediction.long(), 0)
+        self.counts.index_add_(0, pairs, counted.long())
 
     def reduce(self) -> torch.Tensor:
         """The ``[num_classes, num_classes]`` matrix over every rank (collective); rows are truth."""

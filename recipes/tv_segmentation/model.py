@@ -7,13 +7,16 @@ a checkpoint with a ``"model"`` entry) or a torchvision weights name such as
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 import torchvision
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from common.errors import UserError
+from recipes.tv_segmentation.coco import IGNORE_INDEX
 from recipes.tv_segmentation.config import ModelConfig
 
 
@@ -108,10 +111,54 @@ def warmup_poly(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def pixel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over the pixels not labelled 255, as per-pixel losses summed: CUDA's
+    reduced 2-d ``nll_loss`` accumulates with atomics and has no deterministic version."""
+    per_pixel = nn.functional.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="none")
+    return per_pixel.sum() / (target != IGNORE_INDEX).sum()
+
+
 def segmentation_loss(outputs: dict[str, torch.Tensor], target: torch.Tensor, aux_weight: float) -> torch.Tensor:
     """Cross entropy ignoring 255, plus ``aux_weight`` x the auxiliary head's."""
-    loss = nn.functional.cross_entropy(outputs["out"], target, ignore_index=255)
+    loss = pixel_cross_entropy(outputs["out"], target)
     if "aux" in outputs:
-        loss = loss + aux_weight * nn.functional.cross_entropy(outputs["aux"], target, ignore_index=255)
+        loss = loss + aux_weight * pixel_cross_entropy(outputs["aux"], target)
     return loss
+
+
+def bilinear_weights(in_size: int, out_size: int, device: torch.device) -> torch.Tensor:
+    """``[out_size, in_size]`` weights of bilinear resizing along one axis, as ``F.interpolate``
+    (``align_corners=False``) computes them, made on the device (no copy from the host)."""
+    source = ((torch.arange(out_size, device=device) + 0.5) * (in_size / out_size) - 0.5).clamp(min=0)
+    low = source.floor().long().clamp(max=in_size - 1)
+    high = (low + 1).clamp(max=in_size - 1)
+    fraction = (source - low)[:, None]
+    columns = torch.arange(in_size, device=device)
+    return (1 - fraction) * (columns == low[:, None]) + fraction * (columns == high[:, None])
+
+
+def resize_bilinear(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """``F.interpolate(images, size, mode="bilinear", align_corners=False)`` as two matrix products."""
+    rows = bilinear_weights(images.shape[-2], size[0], images.device)
+    columns = bilinear_weights(images.shape[-1], size[1], images.device)
+    return rows @ images @ columns.T
+
+
+class DeterministicBilinear(TorchFunctionMode):
+    """Inside it, bilinear ``F.interpolate`` calls (the torchvision models' upsampling) run as
+    :func:`resize_bilinear`. Their backward is then two matrix products, deterministic on CUDA,
+    where PyTorch's own bilinear backward accumulates with atomics and, under
+    ``torch.use_deterministic_algorithms``, refuses to run."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (PyTorch's protocol)
+        kwargs = kwargs or {}
+        if (func is nn.functional.interpolate and kwargs.get("mode") == "bilinear" and not kwargs.get("align_corners")
+                and kwargs.get("size") is not None and not kwargs.get("antialias")):
+            return resize_bilinear(args[0], tuple(kwargs["size"]))
+        return func(*args, **kwargs)
+
+
+def training_resize(device: torch.device, deterministic: bool) -> contextlib.AbstractContextManager:
+    """:class:`DeterministicBilinear` where it is needed (CUDA with ``trainer.deterministic``)."""
+    return DeterministicBilinear() if deterministic and device.type == "cuda" else contextlib.nullcontext()
 

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from common import train_state
 from common.checkpoint import CheckpointManager
 from common.data import PerSampleSeeded, make_loader
+from common.determinism import configure_determinism
 from common.distributed import DistInfo, init_distributed, shutdown_distributed
 from common.entry import recipe_main
 from common.errors import UserError
@@ -41,7 +42,7 @@ from recipes.tv_segmentation.data import (
     train_transform,
 )
 from recipes.tv_segmentation.metrics import ConfusionMatrix, segmentation_scores
-from recipes.tv_segmentation.model import build_model, param_groups, segmentation_loss, warmup_poly
+from recipes.tv_segmentation.model import build_model, param_groups, segmentation_loss, training_resize, warmup_poly
 from recipes.tv_segmentation.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -73,6 +74,7 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, cfg: DictConfig, dist_i
 
 @recipe_main("tv_segmentation")
 def main(cfg: DictConfig) -> None:
+    configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
     dist_info = init_distributed(cfg.device)
     try:
         train(cfg, dist_info)
@@ -137,7 +139,9 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     # ---- resume: the newest valid checkpoint in the checkpoint directory, if any ------------
     checkpoints = CheckpointManager.from_config(cfg.checkpoint)
     progress = train_state.Progress()
-    loaded = checkpoints.load_latest(map_location=device) if cfg.checkpoint.resume else None
+    # Loaded to the CPU: RNG states must be there, and so must the optimizer's step counts (on a GPU
+    # each optimizer step would read them back to the host).
+    loaded = checkpoints.load_latest() if cfg.checkpoint.resume else None
     if loaded is not None:
         progress = train_state.restore(loaded.state, model, optimizer, scheduler, scaler, sampler, train_sums)
     else:
@@ -156,7 +160,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                        f"{dist_info.world_size} ranks")
 
     timer = train_state.SegmentTimer()
-    cadence = CheckpointCadence.from_config(cfg.checkpoint, device)
+    cadence = CheckpointCadence.from_config(cfg.checkpoint)
 
     def save(metrics: dict[str, float] | None = None) -> None:
         progress.train_seconds += timer.lap()
@@ -194,7 +198,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                     images = images.contiguous(memory_format=torch.channels_last)
                 skip_grad_sync = dist_info.distributed and i < accumulate - 1
                 with model.no_sync() if skip_grad_sync else contextlib.nullcontext():
-                    with autocast(device, trainer_cfg.precision):
+                    with autocast(device, trainer_cfg.precision), training_resize(device, trainer_cfg.deterministic):
                         loss = segmentation_loss(forward(images), masks, model_cfg.aux_weight)
                     scaler.scale(loss / accumulate).backward()
                 train_sums.add(loss=loss.detach(), batches=1)

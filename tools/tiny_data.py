@@ -1,4 +1,4 @@
-"""Tiny datasets in each dataset's real on-disk format, written by the tests."""
+"""Tiny datasets in each dataset's real on-disk format, for the tests, the benchmarks and `make gpu-check`."""
 
 from __future__ import annotations
 

@@ -1,0 +1,600 @@
+"""``make gpu-check``: what only a GPU can show, in one command, one process at a time.
+
+    python -m benchmarks.gpu_check                 # on a GPU machine (python3 works too: no make setup)
+    python -m benchmarks.gpu_check --device cpu    # the same sequence at tiny sizes (make gpu-check DEVICE=cpu)
+
+Checks (each passes or fails; any failure makes the exit code 1):
+
+* every recipe through its real ``train.py`` on tiny data written here in the dataset's own
+  format, a few dozen steps in bf16 (channels_last where the recipe uses it), with background
+  checkpoints (pinned host buffers on a GPU) and ``trainer.deterministic=true``: an
+  uninterrupted run; a run sent SIGTERM after its first checkpoint, which must exit with 75;
+  its resume, whose ``model_digest`` must equal the uninterrupted run's; and a short run with
+  ``trainer.compile=true``. dinov2_fsdp runs with FSDP2 on one rank (``fsdp.on_one_rank``, nccl
+  on a GPU) across the probe-to-fine-tune switch, so its checkpoints are sharded saves and loads;
+  on CUDA also a short run with CPU offload and gradient clipping (``cpu:gloo,cuda:nccl``).
+* on CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` in each uninterrupted run: every host
+  sync is traced to its line in ``train.py``; any inside the training step, other than the
+  logging and checkpoint branches, fails the check;
+* tv_segmentation's synchronised BatchNorm (``nn.SyncBatchNorm`` on CUDA) across two processes
+  (gloo: NCCL refuses two ranks on one GPU) equals BatchNorm over the whole batch.
+
+Figures (reported with their goal; a figure short of its goal is not a failed check):
+ResNet-50 224 px training images/s (bf16, channels_last, eager and compiled, synthetic batch on
+the device; eager again with ``trainer.deterministic``: its cost), ViT-B/14 and ViT-L/14
+fine-tune images/s and MFU, the checkpoint stall of a background save into pinned buffers
+against a synchronous one, the fashion_mnist loop's overhead against a bare loop, and peak GPU
+memory of each.
+
+On CUDA the results go into a dated section at the end of ``benchmarks/RESULTS.md``'s
+hand-written part and into ``benchmarks/gpu_check.json``; ``--results`` and ``--json`` choose
+other files (on the CPU nothing is recorded unless they are given). The whole check must fit in
+``--budget-seconds`` (9 minutes: one H100); running over is a failed check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import atexit
+import datetime as dt
+import json
+import os
+import platform
+import runpy
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.results import Result
+from benchmarks.run import HAND_END, RESULTS_FILE, format_value
+from common.determinism import CUBLAS_WORKSPACE
+from common.errors import EXIT_PREEMPTED
+
+REPO = Path(__file__).resolve().parents[1]
+JSON_FILE = Path(__file__).with_name("gpu_check.json")
+WORK_DIR = REPO / "runs" / "gpu_check"
+BUDGET_S = 540
+RECIPES = ("fashion_mnist", "cifar100_resnet50", "timm_imagenet", "tv_segmentation", "fungitastic", "dinov2_fsdp")
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    seconds: float
+    detail: str
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+    figures: list[Result] = field(default_factory=list)
+
+    def timed(self, name: str, action: Callable[[], str]) -> bool:
+        """Run ``action`` (it returns a one-line detail, or raises on failure) as a check."""
+        start = time.perf_counter()
+        try:
+            detail, passed = action(), True
+        except Exception as error:  # a failed check is reported, the others still run
+            detail, passed = f"{type(error).__name__}: {error}".splitlines()[0], False
+            traceback.print_exc()
+        self.checks.append(Check(name, passed, time.perf_counter() - start, detail))
+        print(f"[{'pass' if passed else 'FAIL'}] {name}: {detail}", flush=True)
+        return passed
+
+
+class CheckFailed(Exception):
+    """A check's expectation that did not hold."""
+
+
+# ---- tiny data, in each dataset's own format -----------------------------------------------------------
+
+
+def write_datasets(root: Path) -> dict[str, list[str]]:
+    """Every recipe's tiny data under ``root``; returns each recipe's data and model overrides."""
+    from data_prep import fungitastic as fungi_prep
+    from tools import tiny_data
+
+    cifar = root / "cifar100"
+    with tarfile.open(tiny_data.write_cifar100_tarball(root / "cifar-100-python.tar.gz", n_train=128, n_test=16)) \
+            as archive:
+        archive.extractall(cifar, filter="data")
+    fungi = root / "fungitastic"
+    tiny_data.write_fungitastic(root / "fungitastic-download")
+    fungi_prep.prepare(fungi, root / "fungitastic-download", "300p", mini=True, per_species=2, skip_missing=False)
+    dinov2 = write_tiny_dinov2(root / "dinov2_tiny")
+    return {
+        "fashion_mnist": [f"data.root={tiny_data.write_fashion_mnist(root / 'fashion_mnist')}",
+                          "model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=16",
+                          "trainer.channels_last=true"],
+        "cifar100_resnet50": [f"data.root={cifar}", "model.name=test_resnet", "trainer.batch_size=8",
+                              "trainer.channels_last=true"],
+        "timm_imagenet": [f"data.root={tiny_data.write_image_folder(root / 'imagenet', train_per_class=16)}",
+                          "model.name=test_resnet", "data.train_size=32", "data.eval_size=32",
+                          "trainer.batch_size=8", "trainer.num_workers=0", "trainer.channels_last=true"],
+        "tv_segmentation": [f"data.root={tiny_data.write_voc(root / 'VOC2012', n_train=12, n_val=4)}",
+                            "model.name=deeplabv3_mobilenet_v3_large", "data.base_size=40", "data.crop_size=40",
+                            "trainer.batch_size=2", "trainer.num_workers=0", "trainer.channels_last=true"],
+        "fungitastic": [f"data.root={fungi}", "model.name=test_vit", "model.pretrained=", "data.image_size=32",
+                        "trainer.batch_size=4", "trainer.num_workers=0"],
+        "dinov2_fsdp": [f"data.root={cifar}", f"model.name={dinov2}", "model.image_size=28", "trainer.batch_size=8",
+                        "trainer.global_batch_size=8", "stages.probe_epochs=1", "fsdp.on_one_rank=true"],
+    }
+
+
+def write_tiny_dinov2(path: Path) -> Path:
+    """A 'pretrained' two-block DINOv2 in transformers' save_pretrained layout."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=28,
+                          patch_size=14)
+    Dinov2Model(config).save_pretrained(path)
+    return path
+
+
+# ---- running a recipe ------------------------------------------------------------------------------------
+
+
+def recipe_env(device: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("CHECKPOINT_ARTIFACT_PATH", "LOSSY_ARTIFACT_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                          "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [
+        str(REPO), os.environ.get("PYTHONPATH")])))
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"  # recipes run side by side on few cores
+    return env
+
+
+def recipe_command(recipe: str, overrides: list[str], syncs_file: Path | None) -> list[str]:
+    """``python -m recipes.<r>.train``, or the same through :func:`trace_syncs`."""
+    if syncs_file is None:
+        return [sys.executable, "-m", f"recipes.{recipe}.train", *overrides]
+    return [sys.executable, "-m", "benchmarks.gpu_check", "--trace-syncs", str(syncs_file), "--recipe", recipe,
+            "--", *overrides]
+
+
+def run_timeout(device: str) -> float:
+    """Seconds after which a recipe run counts as hung (compiling on a busy 2-core CPU takes many minutes)."""
+    return 600 if device == "cuda" else 1800
+
+
+def run_to_end(recipe: str, overrides: list[str], device: str, log: Path,
+               syncs_file: Path | None = None) -> subprocess.CompletedProcess:
+    try:
+        result = subprocess.run(recipe_command(recipe, overrides, syncs_file), cwd=REPO, env=recipe_env(device),
+                                capture_output=True, text=True, timeout=run_timeout(device))
+    except subprocess.TimeoutExpired as error:
+        log.write_text("".join(part.decode(errors="replace") if isinstance(part, bytes) else part
+                               for part in (error.stdout or "", error.stderr or "")))
+        raise CheckFailed(f"the run did not end within {error.timeout:.0f} s (see {log})") from error
+    log.write_text(result.stdout + result.stderr)
+    return result
+
+
+def expect_exit(result: subprocess.CompletedProcess | subprocess.Popen, code: int, what: str, log: Path) -> None:
+    if result.returncode != code:
+        tail = log.read_text().strip().splitlines()[-1:] if log.is_file() else []
+        raise CheckFailed(f"{what} exited with {result.returncode}, expected {code} (see {log}): {' '.join(tail)}")
+
+
+def sigterm_after_first_checkpoint(recipe: str, overrides: list[str], device: str, checkpoints: Path,
+                                   log: Path) -> int:
+    """Start a run, send SIGTERM once its first checkpoint has begun, return its exit code."""
+    with open(log, "w") as output:
+        process = subprocess.Popen(recipe_command(recipe, overrides, None), cwd=REPO, env=recipe_env(device),
+                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + run_timeout(device)
+        while process.poll() is None and time.monotonic() < deadline:
+            if checkpoints.is_dir() and any(checkpoints.iterdir()):  # any layout: the first save has begun
+                process.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.05)
+        return process.wait(timeout=run_timeout(device))
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def check_recipe(report: Report, recipe: str, overrides: list[str], device: str, work: Path,
+                 compile_too: bool) -> None:
+    """Uninterrupted, SIGTERM'd and resumed runs (same digest), host syncs, a compiled run."""
+    work.mkdir(parents=True)
+    settings = [*overrides, f"device={device}", "trainer.precision=bf16", "trainer.deterministic=true",
+                f"trainer.epochs={3 if device == 'cuda' else 2}", "trainer.log_every_steps=5",
+                "checkpoint.every_steps=4", "checkpoint.every_seconds=0", "checkpoint.async_save=true",
+                "logging.backend=none", "logging.progress_bar=false"]
+    syncs_file = work / "syncs.json"  # traced on CUDA only; on the CPU the same launcher runs, tracing nothing
+    reference, interrupted = work / "uninterrupted", work / "interrupted"
+
+    def uninterrupted() -> str:
+        result = run_to_end(recipe, [*settings, f"run_dir={reference}"], device, work / "uninterrupted.log",
+                            syncs_file)
+        expect_exit(result, 0, "the uninterrupted run", work / "uninterrupted.log")
+        done = summary(reference)
+        shown = f"{done['steps']} steps, {done['wall_time_s']:.1f} s, digest {done['model_digest'][:12]}"
+        if recipe == "dinov2_fsdp":
+            for expected in ("with FSDP2", "stage finetune: backbone unfrozen"):
+                if expected not in result.stdout:
+                    raise CheckFailed(f"the run's output lacks {expected!r}")
+            shown += ", FSDP2 across the probe-to-fine-tune switch"
+        return shown
+
+    def sigterm_and_resume() -> str:
+        log = work / "interrupted.log"
+        code = sigterm_after_first_checkpoint(recipe, [*settings, f"run_dir={interrupted}"], device,
+                                              interrupted / "checkpoints", log)
+        if code != EXIT_PREEMPTED:
+            tail = " ".join(log.read_text().strip().splitlines()[-1:])
+            raise CheckFailed(f"after SIGTERM the run exited with {code}, expected {EXIT_PREEMPTED} "
+                              f"(see {log}): {tail}")
+        saved = [line for line in log.read_text().splitlines() if "checkpoint saved at step" in line]
+        stopped = saved[0].split("checkpoint saved at step ")[1].split(";")[0] if saved else "?"
+        resumed = run_to_end(recipe, [*settings, f"run_dir={interrupted}"], device, work / "resumed.log")
+        expect_exit(resumed, 0, "the resumed run", work / "resumed.log")
+        if "resumed from" not in resumed.stdout:
+            raise CheckFailed("the second run did not resume from the SIGTERM checkpoint")
+        got, expected = summary(interrupted)["model_digest"], summary(reference)["model_digest"]
+        if got != expected:
+            raise CheckFailed(f"resumed digest {got[:12]} != uninterrupted {expected[:12]}")
+        return f"stopped at step {stopped} with exit {EXIT_PREEMPTED}; the resumed run's digest is the same"
+
+    ran = report.timed(f"{recipe}: uninterrupted run", uninterrupted)
+    report.timed(f"{recipe}: SIGTERM, exit {EXIT_PREEMPTED}, resume, same digest", sigterm_and_resume)
+    if device == "cuda" and ran:
+        report.timed(f"{recipe}: no host sync inside the step", lambda: judge_syncs(syncs_file))
+    def short_run(name: str, *extra: str) -> str:
+        run_dir, log = work / name, work / f"{name}.log"
+        result = run_to_end(recipe, [*overrides, f"device={device}", "trainer.precision=bf16", "trainer.max_steps=6",
+                                     "logging.backend=none", "logging.progress_bar=false", f"run_dir={run_dir}",
+                                     *extra], device, log)
+        expect_exit(result, 0, f"the {name} run", log)
+        done = summary(run_dir)
+        return f"{done['steps']} steps in {done['wall_time_s']:.1f} s"
+
+    if compile_too:
+        report.timed(f"{recipe}: torch.compile", lambda: short_run("compiled", "trainer.compile=true")
+                     + " (compilation included)")
+    if recipe == "dinov2_fsdp" and device == "cuda":  # clipping reduces CPU-offloaded gradients over gloo
+        report.timed(f"{recipe}: FSDP2 CPU offload with gradient clipping",
+                     lambda: short_run("offloaded", "fsdp.cpu_offload=true", "trainer.grad_clip_norm=1.0",
+                                       "stages.probe_epochs=0"))
+
+
+# ---- host syncs inside the step ---------------------------------------------------------------------------
+
+
+def step_lines(train_py: Path) -> tuple[set[int], set[int]]:
+    """Lines of the training step in ``train_py`` (the loop inside ``while not training_done()``
+    that does ``progress.step += 1``) and, within it, the logging and checkpoint branches."""
+    tree = ast.parse(train_py.read_text())
+    step: set[int] = set()
+    allowed: set[int] = set()
+    for loop in ast.walk(tree):
+        if not (isinstance(loop, ast.For) and any(
+                isinstance(node, ast.AugAssign) and ast.unparse(node.target) == "progress.step"
+                for node in ast.walk(loop))):
+            continue
+        step |= set(range(loop.lineno, loop.end_lineno + 1))
+        for branch in ast.walk(loop):
+            if isinstance(branch, ast.If) and any(key in ast.unparse(branch.test)
+                                                  for key in ("log_every_steps", "decision.")):
+                allowed |= set(range(branch.lineno, branch.end_lineno + 1))
+    return step, allowed
+
+
+def trace_syncs(recipe: str, syncs_file: Path, overrides: list[str]) -> None:
+    """Run a recipe as ``python -m recipes.<r>.train`` would, with CUDA's sync debug mode on from
+    the moment the process has its GPU, recording where each sync comes from in ``train.py``."""
+    import common.distributed
+
+    train_py = str(REPO / "recipes" / recipe / "train.py")
+    sites: Counter[str] = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if SYNC_WARNING not in str(message):
+            return show_warning(message, category, filename, lineno, file, line)
+        frames = [frame for frame in traceback.extract_stack() if frame.filename == train_py]
+        sites[f"{frames[-1].lineno}" if frames else "outside train.py"] += 1
+        return None
+
+    show_warning = warnings.showwarning
+    warnings.showwarning = record
+    warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
+    start_distributed = common.distributed.init_distributed
+
+    def init_then_trace(*args, **kwargs) -> common.distributed.DistInfo:  # noqa: ANN002, ANN003
+        info = start_distributed(*args, **kwargs)
+        if info.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        return info
+
+    common.distributed.init_distributed = init_then_trace
+    atexit.register(lambda: syncs_file.write_text(json.dumps(dict(sites))))
+    sys.argv = [f"recipes.{recipe}.train", *overrides]
+    runpy.run_module(f"recipes.{recipe}.train", run_name="__main__", alter_sys=True)
+
+
+def judge_syncs(syncs_file: Path) -> str:
+    recipe = syncs_file.parent.name
+    step, allowed = step_lines(REPO / "recipes" / recipe / "train.py")
+    sites = {site: count for site, count in json.loads(syncs_file.read_text()).items()}
+    in_step = {site: count for site, count in sites.items()
+               if site.isdigit() and int(site) in step and int(site) not in allowed}
+    logging = sum(count for site, count in sites.items() if site.isdigit() and int(site) in allowed)
+    elsewhere = sum(sites.values()) - logging - sum(in_step.values())
+    if in_step:
+        where = ", ".join(f"train.py:{site} x{count}" for site, count in sorted(in_step.items()))
+        raise CheckFailed(f"host syncs inside the step at {where}")
+    return f"none in the step; {logging} in logging/checkpoint branches, {elsewhere} outside the step"
+
+
+# ---- SyncBatchNorm ----------------------------------------------------------------------------------------
+
+
+def _sync_batchnorm_worker(rank: int, port: int, device_type: str, out: Path) -> None:
+    import torch.distributed as dist
+
+    from recipes.tv_segmentation.sync_batchnorm import convert_sync_batchnorm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        device = torch.device(device_type)
+        torch.manual_seed(0)
+        batch = torch.randn(8, 4, 5, 5, device=device)
+        model, converted = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(4)).to(device), device)
+        half = batch[rank * 4:(rank + 1) * 4].clone().requires_grad_()
+        (model(half) * torch.arange(1.0, 5.0, device=device).view(1, 4, 1, 1)).square().sum().backward()
+        torch.save({"kind": type(model[0]).__name__, "converted": converted, "grad": half.grad.cpu(),
+                    "running_mean": model[0].running_mean.cpu()}, out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def check_sync_batchnorm(device: str, work: Path) -> str:
+    """Two ranks with half a batch each give the gradients BatchNorm gives over the whole batch."""
+    import torch.multiprocessing as mp
+
+    from common.distributed import free_port
+
+    work.mkdir(parents=True)
+    mp.spawn(_sync_batchnorm_worker, args=(free_port(), device, work), nprocs=2, join=True)
+    torch.manual_seed(0)
+    batch = torch.randn(8, 4, 5, 5, device=device).cpu().requires_grad_()
+    reference = torch.nn.BatchNorm2d(4)
+    (reference(batch) * torch.arange(1.0, 5.0).view(1, 4, 1, 1)).square().sum().backward()
+    ranks = [torch.load(work / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    grad = torch.cat([saved["grad"] for saved in ranks])
+    if not torch.allclose(grad, batch.grad, rtol=1e-4, atol=1e-5):
+        raise CheckFailed(f"gradients differ from BatchNorm over the whole batch by {(grad - batch.grad).abs().max()}")
+    if not torch.allclose(ranks[0]["running_mean"], reference.running_mean, atol=1e-6):
+        raise CheckFailed("running statistics differ from BatchNorm over the whole batch")
+    return f"{ranks[0]['kind']} on {device}: gradients and running statistics equal BatchNorm's over the whole batch"
+
+
+# ---- figures ------------------------------------------------------------------------------------------------
+
+
+def peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def resnet50_figures(device: torch.device, compile_too: bool) -> list[Result]:
+    from benchmarks.cifar100_resnet50 import SyntheticSetting, synthetic_images_per_second
+    from common.determinism import configure_determinism
+
+    full = device.type == "cuda"
+    model, size, batch, steps, warmup = ("resnet50", 224, 256, 30, 10) if full else ("test_resnet", 32, 8, 3, 1)
+    figures = []
+    for compiled, deterministic in ((False, False), (True, False), (False, True)):
+        if compiled and not compile_too:
+            continue
+        configure_determinism(deterministic, device.type)
+        reset_peak(device)
+        value = synthetic_images_per_second(model, size, batch, SyntheticSetting("bf16", True, compiled), steps,
+                                            warmup, device)
+        setting = (f"{model} {size}px batch {batch}, bf16, channels_last, {'compiled' if compiled else 'eager'}"
+                   + (", trainer.deterministic" if deterministic else ""))
+        goal = "" if deterministic else ">= 3,000 on one H100"
+        figures += [Result("ResNet-50 training throughput", setting, value, "images/s", goal),
+                    Result("ResNet-50 training throughput", setting, peak_gib(device), "GiB peak", "")]
+    configure_determinism(False, device.type)
+    return figures
+
+
+def vit_figures(device: torch.device, compile_too: bool) -> list[Result]:
+    from benchmarks import dinov2_fsdp
+
+    sizes = dinov2_fsdp.FULL if device.type == "cuda" else dinov2_fsdp.QUICK
+    figures = []
+    for size in sizes:
+        for compile_blocks in (False, True) if compile_too else (False,):
+            for result in dinov2_fsdp.measure(size, device, compile_blocks, warmup=5, steps=15):
+                if result.unit == "% MFU" and "ViT-L" in result.setting:
+                    result.note += "; goal >= 40"
+                figures.append(result)
+    return figures
+
+
+def checkpoint_stall_figures(device: torch.device, work: Path) -> list[Result]:
+    import statistics
+
+    from benchmarks import checkpoint_stall
+
+    work.mkdir(parents=True)
+    reset_peak(device)
+    times = checkpoint_stall.measure(device, 5 if device.type == "cuda" else 2, work)
+    sync, blocked = statistics.median(times["sync"]), statistics.median(times["async"])
+    name = "checkpoint stall (ResNet-50 + SGD momentum)"
+    return [Result(name, "synchronous CheckpointManager save", sync, "ms", "atomic write, fsync, sha256"),
+            Result(name, "background save: loop blocked", blocked, "ms",
+                   "copy into reused pinned host buffers" if device.type == "cuda" else "copy into host buffers"),
+            Result(name, "background / synchronous", 100 * blocked / sync, "%", "goal <= 10"),
+            Result(name, "peak memory", peak_gib(device), "GiB peak", "")]
+
+
+def overhead_figures(device: torch.device, work: Path) -> list[Result]:
+    import statistics
+
+    from benchmarks import overhead
+
+    reset_peak(device)
+    times = overhead.measure(device.type, 10 if device.type == "cuda" else 2, 128 if device.type == "cuda" else 32,
+                             work)
+    recipe, bare = times["recipe wall"], times["bare wall"]
+    name = "loop overhead (fashion_mnist)"
+    return [Result(name, "recipe step", statistics.median(recipe), "ms/step", "wall clock"),
+            Result(name, "bare PyTorch step", statistics.median(bare), "ms/step", "wall clock"),
+            Result(name, "overhead", statistics.median([100 * (r / b - 1) for r, b in zip(recipe, bare)]), "%",
+                   "median over interleaved segments; goal <= 3"),
+            Result(name, "peak memory", peak_gib(device), "GiB peak", "")]
+
+
+# ---- the report --------------------------------------------------------------------------------------------
+
+
+def driver_version() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(device: str) -> dict[str, str]:
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else "none (CPU run at tiny sizes)"
+    return {"device": gpu, "driver": driver_version() if device == "cuda" else "n/a",
+            "cuda": torch.version.cuda or "n/a", "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def table(report: Report) -> str:
+    lines = ["| check | result | seconds | detail |", "|---|---|---:|---|"]
+    lines += [f"| {c.name} | {'pass' if c.passed else '**FAIL**'} | {c.seconds:.0f} | {c.detail} |"
+              for c in report.checks]
+    lines += ["", "| figure | setting | value | unit | note |", "|---|---|---:|---|---|"]
+    lines += [f"| {f.benchmark} | {f.setting} | {format_value(f.value)} | {f.unit} | {f.note} |"
+              for f in report.figures]
+    return "\n".join(lines)
+
+
+def record_section(results_md: Path, text: str) -> None:
+    """Append ``text`` at the end of the hand-written part of ``results_md``."""
+    content = results_md.read_text()
+    if HAND_END not in content:
+        raise CheckFailed(f"{results_md} has no hand-written part (marker {HAND_END!r})")
+    results_md.write_text(content.replace(HAND_END, text.rstrip("\n") + "\n" + HAND_END, 1))
+
+
+def measured(report: Report, figures: Callable[[], list[Result]]) -> str:
+    results = figures()
+    report.figures.extend(results)
+    return ", ".join(f"{format_value(r.value)} {r.unit}" for r in results if r.unit != "GiB peak")
+
+
+def run_everything(report: Report, device_name: str, work: Path, compile_too: bool) -> None:
+    """The checks, then the figures (alone on the machine, after the recipe runs)."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    overrides: dict[str, list[str]] = {}
+
+    def write_data() -> str:
+        overrides.update(write_datasets(work / "data"))
+        return f"data for {len(overrides)} recipes under {work / 'data'}"
+
+    if report.timed("tiny datasets written in their real formats", write_data):
+        with ThreadPoolExecutor(max_workers=3 if device_name == "cuda" else 2) as pool:
+            for future in [pool.submit(check_recipe, report, recipe, overrides[recipe], device_name, work / recipe,
+                                       compile_too) for recipe in RECIPES]:
+                future.result()
+    report.timed("tv_segmentation: synchronised BatchNorm across 2 processes",
+                 lambda: check_sync_batchnorm(device_name, work / "sync_batchnorm"))
+    device = torch.device(device_name)
+    for name, figures in (("ResNet-50 figures", lambda: resnet50_figures(device, compile_too)),
+                          ("ViT-B/14 and ViT-L/14 figures", lambda: vit_figures(device, compile_too)),
+                          ("checkpoint stall figures", lambda: checkpoint_stall_figures(device, work / "stall")),
+                          ("loop overhead figures", lambda: overhead_figures(device, work / "overhead"))):
+        report.timed(name, lambda figures=figures: measured(report, figures))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--results", type=Path, help="RESULTS.md to record into (default on CUDA: %s)" % RESULTS_FILE)
+    parser.add_argument("--json", type=Path, help=f"JSON file to write (default on CUDA: {JSON_FILE})")
+    parser.add_argument("--budget-seconds", type=float,
+                        help=f"fail if the whole check takes longer (default on CUDA: {BUDGET_S}, one H100)")
+    parser.add_argument("--work-dir", type=Path, default=WORK_DIR,
+                        help="data, run directories and logs of the recipe runs (emptied first; default: %(default)s)")
+    parser.add_argument("--skip-compile", action="store_true",
+                        help="leave out the compiled runs (on a CPU they take minutes of C++ compilation)")
+    parser.add_argument("--trace-syncs", type=Path, help=argparse.SUPPRESS)  # internal: one recipe run
+    parser.add_argument("--recipe", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trace_syncs is not None:
+        trace_syncs(args.recipe, args.trace_syncs, args.overrides)
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA GPU is visible; on a machine without one run `make gpu-check DEVICE=cpu`",
+              file=sys.stderr)
+        return 2
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # this process measures deterministic mode too
+    results_md = args.results or (RESULTS_FILE if args.device == "cuda" else None)
+    json_file = args.json or (JSON_FILE if args.device == "cuda" else None)
+    started, date = time.perf_counter(), dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    env = environment(args.device)
+    print(f"gpu-check on {env['device']}: torch {env['torch']}, CUDA {env['cuda']}, driver {env['driver']}",
+          flush=True)
+    report = Report()
+    run_everything(report, args.device, args.work_dir, compile_too=not args.skip_compile)
+    seconds = time.perf_counter() - started
+    budget = args.budget_seconds or (BUDGET_S if args.device == "cuda" else None)
+    if budget is not None:
+        report.checks.append(Check(f"within the time budget of {budget:.0f} s", seconds <= budget, seconds,
+                                   f"took {seconds:.0f} s"))
+    failed = [check.name for check in report.checks if not check.passed]
+    command = "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = table(report)
+    print("\n" + text + "\n")
+    if json_file is not None:
+        json_file.write_text(json.dumps({"date": date, "command": command.strip(), "seconds": seconds, **env,
+                                         "checks": [asdict(c) for c in report.checks],
+                                         "figures": [asdict(f) for f in report.figures]}, indent=1) + "\n")
+        print(f"wrote {json_file}")
+    if results_md is not None:
+        record_section(results_md, "\n".join([
+            f"### `make gpu-check`, {date}: {env['device']}", "",
+            f"`{command.strip()}` on {env['device']} (driver {env['driver']}, CUDA {env['cuda']}), torch "
+            f"{env['torch']}, Python {env['python']}; took {seconds:.0f} s; "
+            f"{len(report.checks) - len(failed)} checks passed, {len(failed)} failed.", "", text, ""]))
+        print(f"recorded in {results_md}")
+    print(f"{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""``trainer.deterministic``: bit-identical runs on a GPU, or the fast defaults when not asked for.
+
+On the CPU every recipe is deterministic as it is. On CUDA, cuDNN picks convolution algorithms
+by timing them (``cudnn.benchmark``) and several kernels accumulate with atomics (cuDNN weight
+gradients, bilinear ``interpolate`` backward, scatter-adds), so two runs of the same config
+differ in the last bits and a resumed run only matches an uninterrupted one statistically.
+``deterministic=true`` makes PyTorch use deterministic kernels (or fail loudly where it has
+none), turns autotuning off and gives cuBLAS the fixed workspace it needs; a resumed run then
+ends with the same ``model_digest`` as an uninterrupted one on the same GPU model and software.
+Otherwise, on CUDA, fp32 matrix products use TF32 tensor cores and cuDNN autotunes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from common.distributed import wants_cuda
+
+# cuBLAS is deterministic only with a fixed workspace; it reads this when its first handle is made.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def configure_determinism(deterministic: bool, device_preference: str) -> None:
+    """Set PyTorch's determinism and speed switches for this process. Call it first in ``main``,
+    before CUDA starts (``init_distributed``), so that cuBLAS sees its workspace setting."""
+    fast_cuda = not deterministic and wants_cuda(device_preference)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = fast_cuda
+    # CUDA's matmul switch only: the process-wide set_float32_matmul_precision would change CPU
+    # (oneDNN) matmuls too, and reading the legacy allow_tf32 flag after it raises.
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if fast_cuda else "ieee"

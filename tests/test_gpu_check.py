@@ -1,0 +1,73 @@
+"""``make gpu-check DEVICE=cpu``: the GPU check's whole sequence at tiny sizes, so that it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu_check import RECIPES, CheckFailed, judge_syncs, step_lines
+from benchmarks.run import HAND_END, HAND_START
+from tests.conftest import REPO, assert_ok, recipe_env
+
+
+def test_the_whole_sequence_runs_on_the_cpu_and_is_recorded(tmp_path: Path) -> None:
+    """Compiled runs are left out: on 2 CPU cores each takes minutes of C++ compilation."""
+    results = tmp_path / "RESULTS.md"
+    shutil.copy(REPO / "benchmarks" / "RESULTS.md", results)
+    hand_written = results.read_text().split(HAND_START, 1)[1].split(HAND_END, 1)[0]
+    report_file = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--skip-compile", "--results", str(results),
+         "--json", str(report_file)],
+        cwd=REPO, env=recipe_env(), capture_output=True, text=True, timeout=1800,
+    )
+    assert_ok(result)
+    report = json.loads(report_file.read_text())
+    checks = {check["name"]: check for check in report["checks"]}
+    for recipe in RECIPES:
+        assert checks[f"{recipe}: uninterrupted run"]["passed"]
+        resumed = checks[f"{recipe}: SIGTERM, exit 75, resume, same digest"]
+        assert resumed["passed"] and "the resumed run's digest is the same" in resumed["detail"]
+    assert checks["tv_segmentation: synchronised BatchNorm across 2 processes"]["passed"]
+    assert all(check["passed"] for check in report["checks"]), [c for c in report["checks"] if not c["passed"]]
+    units = {figure["unit"] for figure in report["figures"]}
+    assert {"images/s", "ms", "%", "ms/step"} <= units
+    assert report["torch"] and report["device"].startswith("none")
+
+    text = results.read_text()
+    recorded = text.split(HAND_START, 1)[1].split(HAND_END, 1)[0]
+    assert recorded.startswith(hand_written), "the earlier hand-written records must stay as they were"
+    assert "### `make gpu-check`" in recorded and "| fashion_mnist: uninterrupted run | pass |" in recorded
+    assert "| check | result | seconds | detail |" in result.stdout and "all checks passed" in result.stdout
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_training_step_is_found_in_every_train_py(recipe: str) -> None:
+    train_py = REPO / "recipes" / recipe / "train.py"
+    step, allowed = step_lines(train_py)
+    lines = train_py.read_text().splitlines()
+    increment = next(n for n, line in enumerate(lines, 1) if line.strip() == "progress.step += 1")
+    reduce_for_logging = next(n for n, line in enumerate(lines, 1) if "train_sums.reduce()" in line)
+    backward = next(n for n, line in enumerate(lines, 1) if ".backward()" in line and n in step)
+    assert increment in step and increment not in allowed
+    assert reduce_for_logging in allowed and backward not in allowed
+    assert not any("def save" in lines[n - 1] or "def run_eval" in lines[n - 1] for n in step)
+
+
+def test_a_sync_inside_the_step_fails_and_one_in_the_logging_branch_does_not(tmp_path: Path) -> None:
+    train_py = REPO / "recipes" / "fashion_mnist" / "train.py"
+    lines = train_py.read_text().splitlines()
+    reduce_for_logging = next(n for n, line in enumerate(lines, 1) if "train_sums.reduce()" in line)
+    backward = next(n for n, line in enumerate(lines, 1) if ".backward()" in line)
+    syncs = tmp_path / "fashion_mnist" / "syncs.json"
+    syncs.parent.mkdir()
+    syncs.write_text(json.dumps({str(reduce_for_logging): 3, "outside train.py": 40}))
+    assert judge_syncs(syncs) == "none in the step; 3 in logging/checkpoint branches, 40 outside the step"
+    syncs.write_text(json.dumps({str(reduce_for_logging): 3, str(backward): 32}))
+    with pytest.raises(CheckFailed, match=f"train.py:{backward} x32"):
+        judge_syncs(syncs)
