@@ -13,7 +13,7 @@ NPROC ?= 1
 SOURCE ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup lint test bench new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test bench compare new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path]"
@@ -51,6 +51,9 @@ test: lint ## Lint, then run the test suite (CPU, offline)
 
 bench: $(STAMP) ## Measure loop overhead, checkpoint stall and throughput; writes benchmarks/RESULTS.md
 	$(PY) -m benchmarks.run $(ARGS)
+
+compare: $(STAMP) ## Table and curves of finished runs: [RUNS="runs/*/*"] [OUT=runs/compare] [ARGS=...]
+	$(PY) -m tools.compare $(or $(RUNS),"runs/*/*") --out "$(or $(OUT),runs/compare)" $(ARGS)
 
 new-recipe: $(STAMP) ## Copy a recipe with its config and tests: NAME=x [FROM=fashion_mnist]
 	$(PY) -m tools.new_recipe --name "$(NAME)" --from "$(or $(FROM),fashion_mnist)"
