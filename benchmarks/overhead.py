@@ -141,7 +141,7 @@ def measure(device_name: str, pairs: int, batch_size: int, workdir: Path) -> dic
     return times
 
 
-def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int) -> float:
+def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int, log_dir: Path) -> float:
     """Microseconds per step of the shared-layer calls the recipe adds to a bare step, alone."""
     logits = torch.randn(batch_size, 10, device=device)
     labels = torch.randint(0, 10, (batch_size,), device=device)
@@ -150,7 +150,7 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int) -
     sums = SumMetrics(device)
     stop_flag = StopFlag()
     cadence = CheckpointCadence(0, 1e9, 10, stop_flag)
-    logger = RunLogger("none", ".", True, "bench", progress_bar=False)
+    logger = RunLogger("none", log_dir, True, "bench", progress_bar=False)
     bar = logger.progress(steps, 0, "bookkeeping")
     synchronize(device)
     start = time.perf_counter()
@@ -166,6 +166,7 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int) -
     synchronize(device)
     elapsed = time.perf_counter() - start
     stop_flag.restore()
+    logger.close()
     return elapsed * 1e6 / steps
 
 
@@ -176,6 +177,8 @@ def run(quick: bool) -> list[Result]:
     for device in devices:
         with tempfile.TemporaryDirectory() as workdir:
             times = measure(device, 4 if quick else 30, batch_size, Path(workdir))
+            bookkeeping = bookkeeping_us_per_step(torch.device(device), 200 if quick else 2000, batch_size,
+                                                  Path(workdir))
         clocks = ["cpu", "wall"] if device == "cpu" else ["wall"]
         for clock in clocks:
             recipe_ms, bare_ms = times[f"recipe {clock}"], times[f"bare {clock}"]
@@ -192,13 +195,12 @@ def run(quick: bool) -> list[Result]:
                 Result(BENCHMARK, f"{label}: overhead, fastest segments", 100 * (min(recipe_ms) / min(bare_ms) - 1),
                        "%", "fastest recipe segment / fastest bare segment - 1: a busy machine only adds time"),
             ]
-        bookkeeping = bookkeeping_us_per_step(torch.device(device), 200 if quick else 2000, batch_size)
         bare_step_ms = statistics.median(times["bare wall" if device == "cuda" else "bare cpu"])
         results.append(Result(
             BENCHMARK, f"{device}: shared-layer calls alone", bookkeeping, "us/step",
             f"{100 * bookkeeping / 1000 / bare_step_ms:.2f}"
             " % of the bare step; seeded generator, SumMetrics.add, sampler.advance, progress bar, "
-            f"logging every {SEGMENT} steps, cadence check",
+            f"logging (metrics.jsonl) every {SEGMENT} steps, cadence check",
         ))
     return results
 

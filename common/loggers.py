@@ -1,18 +1,63 @@
-"""Rank-0 output: console lines, a progress bar, and TensorBoard or W&B (or nothing).
+"""Rank-0 output: console lines, a progress bar, ``metrics.jsonl``, and TensorBoard or W&B.
 
 W&B is imported only when chosen and runs offline unless ``wandb_mode`` says otherwise, so a
-job on a node without internet never blocks on it.
+job on a node without internet never blocks on it. Whatever the backend, every logged value
+is also appended to ``metrics.jsonl`` in the log directory: one JSON object per line with the
+step, which ``make compare`` and plain scripts read without TensorBoard.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+BACKENDS = ("tensorboard", "wandb", "none")
+
+
+def read_metrics_file(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``; a last line cut short by a kill is left out."""
+    records = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class MetricsFile:
+    """``metrics.jsonl``: ``{"step": s, "time": unix seconds, "<name>": value, ...}`` per line.
+
+    A resumed run starts from its checkpoint's step, so lines a killed segment wrote after that
+    checkpoint are dropped when the file is opened (TensorBoard's ``purge_step`` does the same
+    for event files); the run then logs those steps again, once.
+    """
+
+    def __init__(self, path: Path, resume_step: int) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_file():
+            kept = [record for record in read_metrics_file(path) if record["step"] <= resume_step]
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
+            os.replace(tmp, path)
+        self._handle = open(path, "a")
+
+    def write(self, metrics: Mapping[str, float], step: int) -> None:
+        self._handle.write(json.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
 
 
 class RunLogger:
@@ -28,22 +73,23 @@ class RunLogger:
         wandb_mode: str = "offline",
         progress_bar: bool = True,
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"logging backend must be tensorboard, wandb or none, not {backend!r}")
         self.is_main = is_main
         self.progress_bar = progress_bar and is_main
         self.backend = backend if is_main else "none"
         self._writer: Any = None
         self._wandb: Any = None
         self.log_dir = Path(log_dir)
+        self._metrics_file = MetricsFile(self.log_dir / METRICS_FILE, resume_step) if is_main else None
         if self.backend == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
-            self.log_dir.mkdir(parents=True, exist_ok=True)
             # purge_step drops events a killed segment logged after its last checkpoint.
             self._writer = SummaryWriter(str(self.log_dir), purge_step=resume_step or None)
         elif self.backend == "wandb":
             import wandb
 
-            self.log_dir.mkdir(parents=True, exist_ok=True)
             self._wandb = wandb.init(
                 project=wandb_project,
                 name=run_name,
@@ -53,8 +99,6 @@ class RunLogger:
                 mode=wandb_mode,
                 config=dict(config or {}),
             )
-        elif self.backend != "none":
-            raise ValueError(f"logging backend must be tensorboard, wandb or none, not {backend!r}")
 
     @classmethod
     def from_config(cls, cfg: Any, is_main: bool, resume_step: int = 0) -> RunLogger:
@@ -77,6 +121,8 @@ class RunLogger:
             sys.stdout.flush()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._metrics_file is not None:
+            self._metrics_file.write(metrics, step)
         if self._writer is not None:
             for name, value in metrics.items():
                 self._writer.add_scalar(name, value, step)
@@ -96,6 +142,8 @@ class RunLogger:
         )
 
     def close(self) -> None:
+        if self._metrics_file is not None:
+            self._metrics_file.close()
         if self._writer is not None:
             self._writer.close()
         if self._wandb is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -37,3 +38,21 @@ def test_wandb_runs_offline_by_default(tmp_path: Path, monkeypatch: pytest.Monke
 def test_unknown_backend_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tensorboard, wandb or none"):
         RunLogger("mlflow", tmp_path, is_main=True, run_name="r")
+
+
+def test_metrics_jsonl_drops_what_a_killed_segment_logged_after_its_checkpoint(tmp_path: Path) -> None:
+    logger = RunLogger("none", tmp_path, is_main=True, run_name="r")
+    for step in range(1, 11):
+        logger.log({"train/loss": 1.0 / step}, step)
+    logger.close()
+    with open(tmp_path / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 11, "train/lo')  # the kill came in the middle of a line
+
+    resumed = RunLogger("none", tmp_path, is_main=True, run_name="r", resume_step=6)
+    for step in range(7, 9):
+        resumed.log({"train/loss": 2.0 / step}, step)
+    resumed.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert records[6]["train/loss"] == 2.0 / 7 and records[5]["train/loss"] == 1.0 / 6
+    assert all(record["time"] > 0 for record in records)
