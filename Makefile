@@ -16,11 +16,7 @@ EXPERIMENT ?=
 PYTEST_ARGS ?=
 DEVICE ?= cuda
 
-<<<<<<< HEAD
-.PHONY: help setup lint test bench gpu-check new-recipe doctor isc-rehearse clean FORCE
-=======
-.PHONY: help setup lint test bench compare new-recipe doctor isc-rehearse clean FORCE
->>>>>>> issue-18
+.PHONY: help setup lint test bench gpu-check compare new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path]"
@@ -60,13 +56,11 @@ test: lint ## Lint, then run the test suite (CPU, offline)
 bench: $(STAMP) ## Measure loop overhead, checkpoint stall and throughput; writes benchmarks/RESULTS.md
 	$(PY) -m benchmarks.run $(ARGS)
 
-<<<<<<< HEAD
 gpu-check: $(STAMP) ## Every GPU check and figure in one command, recorded in benchmarks/RESULTS.md (DEVICE=cpu: tiny)
 	$(PY) -m benchmarks.gpu_check --device $(DEVICE) $(ARGS)
-=======
+
 compare: $(STAMP) ## Table and curves of finished runs: [RUNS="runs/*/*"] [OUT=runs/compare] [ARGS=...]
 	$(PY) -m tools.compare $(or $(RUNS),"runs/*/*") --out "$(or $(OUT),runs/compare)" $(ARGS)
->>>>>>> issue-18
 
 new-recipe: $(STAMP) ## Copy a recipe with its config and tests: NAME=x [FROM=fashion_mnist]
 	$(PY) -m tools.new_recipe --name "$(NAME)" --from "$(or $(FROM),fashion_mnist)"
