@@ -131,7 +131,7 @@ def write_datasets(root: Path) -> dict[str, list[str]]:
                             "trainer.batch_size=2", "trainer.num_workers=0", "trainer.channels_last=true"],
         "fungitastic": [f"data.root={fungi}", "model.name=test_vit", "model.pretrained=", "data.image_size=32",
                         "trainer.batch_size=4", "trainer.num_workers=0"],
-        "dinov2_fsdp": [f"data.root={cifar}", f"model.name={dinov2}", "model.image_size=28", "trainer.batch_size=8",
+        "dinov2_fsdp": [f"data.root={cifar}", f"model.weights={dinov2}", "model.image_size=28", "trainer.batch_size=8",
                         "trainer.global_batch_size=8", "stages.probe_epochs=1", "fsdp.on_one_rank=true"],
     }
 
