@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from common.entry import CONF_DIR
 from common.errors import UserError
 from data_prep import timm_imagenet as prep
-from recipes.timm_imagenet.data import resolve, train_transform
+from recipes.timm_imagenet.data import resolve, train_augmentation
 from recipes.timm_imagenet.model import build_model
 from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
 from tests.conftest import assert_ok, kill_run, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
@@ -205,10 +205,11 @@ def test_each_preset_composes_and_its_model_and_transforms_build(preset: str, tm
     assert sum(p.numel() for p in model.parameters()) / 1e6 == pytest.approx(millions, abs=0.1)
     data_config = resolve(model, cfg.data.train_size, 0.0, cfg.data.interpolation)
     assert data_config["input_size"][-1] == cfg.data.train_size
-    transform = train_transform(cfg.data, data_config)
+    augmentation = train_augmentation(cfg.data, data_config)
     policy = cfg.data.auto_augment.split("-")[0]
     expected = {"ta_wide": "TrivialAugmentWide", "rand": "RandAugment", "v0": "AutoAugment"}[policy]
-    assert expected in repr(transform)
+    assert expected in repr(augmentation.per_sample)
+    assert augmentation.colour_jitter == 0, "timm turns the colour jitter off when a policy is set"
 
 
 def test_pretrained_weights_load_from_a_local_file(tmp_path: Path) -> None:
