@@ -34,7 +34,7 @@ from benchmarks.results import Result
 from common.data import PerSampleSeeded, seeded_generator
 from common.entry import validate_overrides
 from recipes.tv_segmentation.coco import voc_palette
-from tests.fake_data import write_cifar100_tarball, write_fashion_mnist
+from tests.fake_data import photo, write_cifar100_tarball, write_fashion_mnist
 
 BENCHMARK = "data throughput"
 REPO = Path(__file__).resolve().parents[1]
@@ -71,14 +71,6 @@ class Pipeline:
     model: torch.nn.Module
     model_input: torch.Tensor
     workers: int  # the recipe's default trainer.num_workers (0: runs on the training device)
-
-
-def photo(width: int, height: int, rng: np.random.Generator) -> Image.Image:
-    """A photo-like RGB image: smooth colour fields plus grain, so JPEGs have realistic sizes."""
-    coarse = rng.integers(0, 256, size=(height // 24 + 1, width // 24 + 1, 3), dtype=np.uint8)
-    smooth = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC), dtype=np.int16)
-    grain = rng.integers(-12, 13, size=smooth.shape, dtype=np.int16)
-    return Image.fromarray(np.clip(smooth + grain, 0, 255).astype(np.uint8))
 
 
 def compose(recipe: str, overrides: list[str]) -> Any:

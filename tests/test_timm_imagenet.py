@@ -69,7 +69,7 @@ def test_end_to_end_learns_stages_data_and_writes_outputs(imagenet: Path, tmp_pa
     assert summary["metrics"]["eval/top1"] > 0.6, "each class has its own colour; training did not learn"
     assert summary["metrics"]["eval/top5"] == 1.0  # 3 classes: the top 5 always holds the label
     assert 0 <= summary["metrics"]["eval_ema/top1"] <= 1 and len(summary["ema_digest"]) == 64
-    assert "train 32px bilinear, eval 40px bilinear (crop_pct 0.875)" in result.stdout
+    assert "train 32px bilinear decoded on cpu, eval 40px bilinear (crop_pct 0.875), 0 loader workers" in result.stdout
     staged = list(stage.iterdir())
     assert len(staged) == 1 and (staged[0] / ".staging-complete").is_file()
     assert f"from {staged[0]}" in result.stdout
@@ -84,11 +84,15 @@ def test_end_to_end_learns_stages_data_and_writes_outputs(imagenet: Path, tmp_pa
     assert rerun["model_digest"] == summary["model_digest"] and rerun["resumes"] == 1
 
 
-def test_sigkill_at_a_random_step_then_resume_is_bit_exact(imagenet: Path, tmp_path: Path) -> None:
-    """Every source of randomness at once: workers with RandAugment + random erasing, repeated
-    augmentation, Mixup/CutMix, drop path, EMA and gradient accumulation."""
+@pytest.mark.parametrize("decode, policy", [("cpu", "rand-m9-mstd0.5-inc1"), ("gpu", "ta_wide")])
+def test_sigkill_at_a_random_step_then_resume_is_bit_exact(imagenet: Path, tmp_path: Path, decode: str,
+                                                           policy: str) -> None:
+    """Every source of randomness at once: crops and a policy drawn in workers (the policy applied
+    there, or on the device with data.decode=gpu), random erasing, repeated augmentation,
+    Mixup/CutMix, drop path, EMA and gradient accumulation."""
     settings = ["trainer.epochs=2", "checkpoint.every_steps=1", "trainer.num_workers=1", "seed=3",
-                "data.auto_augment=rand-m9-mstd0.5-inc1", "data.re_prob=0.5", "data.repeated_augmentation=3",
+                f"data.decode={decode}", f"data.auto_augment={policy}", "data.re_prob=0.5",
+                "data.repeated_augmentation=3",
                 "data.ra_selected_round=0", "mixup.mixup_alpha=0.8", "mixup.cutmix_alpha=1.0",
                 "model.drop_path_rate=0.2", "ema.enabled=true", "trainer.global_batch_size=16",
                 "optim.opt=adamw", "optim.lr=0.002", "optim.weight_decay=0.05"]
