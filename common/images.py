@@ -51,12 +51,10 @@ cv2.setNumThreads(0)  # DataLoader workers already run in parallel
 
 INTERPOLATIONS = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
 DCT_SCALES = (1, 2, 4, 8)  # the reductions libjpeg decodes directly
-_RGB = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION  # PIL, timm and nvjpeg ignore EXIF rotation too
-_DECODE_FLAGS = {
-    1: _RGB,
-    2: (cv2.IMREAD_REDUCED_COLOR_2 & ~cv2.IMREAD_COLOR) | _RGB,
-    4: (cv2.IMREAD_REDUCED_COLOR_4 & ~cv2.IMREAD_COLOR) | _RGB,
-    8: (cv2.IMREAD_REDUCED_COLOR_8 & ~cv2.IMREAD_COLOR) | _RGB,
+_DECODE_FLAGS = {  # 3-channel output at 1/reduction of the size; EXIF rotation ignored, as PIL, timm and nvjpeg do
+    reduction: flag | cv2.IMREAD_IGNORE_ORIENTATION
+    for reduction, flag in ((1, cv2.IMREAD_COLOR), (2, cv2.IMREAD_REDUCED_COLOR_2), (4, cv2.IMREAD_REDUCED_COLOR_4),
+                            (8, cv2.IMREAD_REDUCED_COLOR_8))
 }
 _GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
 
@@ -101,7 +99,7 @@ def decode(data: np.ndarray, path: str, reduction: int = 1) -> np.ndarray:
     pixels = cv2.imdecode(data, _DECODE_FLAGS[reduction])
     if pixels is None:
         raise UserError(f"{path} is not a readable image (it does not decode)")
-    return pixels
+    return cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB, dst=pixels)  # OpenCV decodes to BGR
 
 
 def dct_reduction(box: CropBox, size: int) -> int:
