@@ -140,13 +140,17 @@ def test_top1_top5_over_two_ranks_equal_one_rank(imagenet: Path, tmp_path: Path)
     assert round(metrics[1]["eval/top1"] * 15, 6).is_integer()  # a count over all 15 images, not a mean of means
 
 
-def test_a_corrupt_jpeg_in_a_worker_is_a_one_line_error(imagenet: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_a_corrupt_jpeg_is_a_one_line_error(imagenet: Path, tmp_path: Path, decode: str) -> None:
+    """Cut after its header, so that with data.decode=gpu the worker passes it on and the device
+    decoder (here torchvision's CPU decoder, in the main process) is the one that fails."""
     broken = tmp_path / "broken"
     write_image_folder(broken, train_per_class=4, val_per_class=1, size=32)
     bad = sorted((broken / "train").rglob("*.JPEG"))[0]
-    bad.write_bytes(bad.read_bytes()[:100])
+    data = bad.read_bytes()
+    bad.write_bytes(data[: data.index(b"\xff\xda") + 40])  # 40 bytes into the scan (after the SOS marker)
     result = run_recipe(RECIPE, overrides(broken, tmp_path / "run", "trainer.num_workers=1", "trainer.epochs=1",
-                                          "trainer.batch_size=12"))
+                                          "trainer.batch_size=12", f"data.decode={decode}"))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {bad} is not a readable image"), result.stderr
