@@ -4,24 +4,27 @@ timm_imagenet and fungitastic train on random-resized crops of JPEG files. ``dat
 chooses where the pixels are made; every random draw is made in the DataLoader worker either way:
 
 * ``cpu``: the worker reads the file's header, draws the crop box (and flip, colour-jitter
-  factors), decodes at the smallest DCT scale (1/2, 1/4, 1/8: libjpeg's own downscaling) that
+  factors), decodes at the smallest size libjpeg offers (1/2, 1/4 or 1/8, by DCT scaling) that
   keeps the box at least the output size, crops and resizes, flips, applies the per-sample
   augmentation (RandAugment, TrivialAugment) on uint8 and hands over a uint8 batch;
 * ``gpu``: the worker only reads the file's bytes and makes the same draws; the main process
   decodes the whole batch on the device (``torchvision.io.decode_jpeg``, nvjpeg on CUDA), crops
   and resizes every image to its box with ``roi_align``, flips and applies the per-sample
   augmentation there. JPEGs that are not three-component (greyscale, CMYK) and files that are
-  not JPEGs are decoded by the worker, as on the CPU path, and cropped on the device.
+  not JPEGs are decoded by the worker, as on the CPU path, and cropped on the device; a JPEG the
+  device decoder refuses is decoded on the CPU, and one nothing decodes is a one-line error.
 
 Then :class:`DeviceTrainInput` does the float work once per batch on the device: colour
-jitter (each sample its own factors), normalisation, random erasing. Float conversion and
-normalisation per sample on the CPU were most of the cost of the PIL pipelines this replaces.
+jitter (each sample its own factors), normalisation, random erasing. Float conversion,
+normalisation and colour jitter per sample on the CPU were more than half the cost of the PIL
+pipeline this replaces; the rest is mostly JPEG decoding, which only ``gpu`` moves off the CPU.
 
 Draws use the global Python and torch generators, which :class:`common.data.PerSampleSeeded`
 seeds from (seed, epoch, index): a resumed run sees exactly the images of the uninterrupted
 one, whatever the number of workers. The crop box and flip are drawn as timm's
 ``RandomResizedCropAndInterpolation`` and torchvision's ``RandomHorizontalFlip`` draw them,
-and the colour-jitter factors as torchvision's ``ColorJitter``, so a fixed seed gives their crop.
+and the colour-jitter factors as torchvision's ``ColorJitter``: a fixed seed gives the crop, flip
+and jitter of timm's own transform, with pixels that differ only by resampling and rounding.
 """
 
 from __future__ import annotations
@@ -177,7 +180,7 @@ class TrainAugmentation:
 
     def __post_init__(self) -> None:
         if self.interpolation not in (*INTERPOLATIONS, "random"):
-            raise UserError(f"interpolation must be bilinear, bicubic or random, not {self.interpolation!r}")
+            raise UserError(f"data.interpolation must be bilinear, bicubic or random, not {self.interpolation!r}")
 
     def draw(self, width: int, height: int, decode: Decode) -> Draw:
         """Every random choice for one sample of a ``width`` x ``height`` image."""
