@@ -4,11 +4,12 @@ For every recipe whose ``recipes/<r>/data.py`` exists, the benchmark builds the 
 training pipeline (its dataset class and augmentation, from its default config) over generated
 files in the dataset's real format and at realistic sizes (ImageNet-like 500x375 JPEGs, VOC
 JPEG + palette PNG pairs, FungiTastic 300p JPEGs, CIFAR-100 pickles, Fashion-MNIST IDX), and
-times it on one CPU core (``torch.set_num_threads(1)``, as in a DataLoader worker), collation
-included. Pipelines that run on the training device a whole batch at a time (fashion_mnist,
-cifar100_resnet50, dinov2_fsdp) are timed the same way; on a GPU they run as GPU kernels. The
-JPEG recipes' worker side is their default ``data.decode=cpu`` path (``benchmarks/jpeg_input.py``
-compares it with the pipelines before and with ``data.decode=gpu``, through the DataLoader).
+times it on one CPU core (``torch.set_num_threads(1)``, as in a DataLoader worker; per second of
+CPU time, which other jobs on a shared machine change little), collation included. Pipelines
+that run on the training device a whole batch at a time (fashion_mnist, cifar100_resnet50,
+dinov2_fsdp) are timed the same way; on a GPU they run as GPU kernels. The JPEG recipes' worker
+side is their default ``data.decode=cpu`` path (``benchmarks/jpeg_input.py`` compares it with
+the pipelines before and with ``data.decode=gpu``, through the DataLoader).
 
 The model's training step (forward, backward, SGD step, all threads) is timed on the same CPU.
 No GPU here means the GPU side comes from published training throughputs, named in each row:
@@ -212,16 +213,17 @@ def fungitastic(workdir: Path) -> Pipeline:
 
 
 def samples_per_second(pipeline: Pipeline, seconds: float) -> float:
-    """Batches until ``seconds`` have passed (at least two, the first one untimed), on one thread."""
+    """Batches until ``seconds`` of this process's CPU time have passed (at least two, the first
+    one untimed), on one thread: samples per second of one core, whatever else the machine runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         pipeline.next_batch(0)
-        start, batches = time.perf_counter(), 0
-        while batches < 1 or time.perf_counter() - start < seconds:
+        start, batches = time.process_time(), 0
+        while batches < 1 or time.process_time() - start < seconds:
             batches += 1
             pipeline.next_batch(batches)
-        return batches * pipeline.batch_size / (time.perf_counter() - start)
+        return batches * pipeline.batch_size / (time.process_time() - start)
     finally:
         torch.set_num_threads(threads)
 
