@@ -48,11 +48,12 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_jpeg_cases(tmp_path_factory.mktemp("jpegs"))
 
 
-def pixels_0_255(augmentation: TrainAugmentation, decode: Decode, samples: list[dict]) -> torch.Tensor:
-    """What the model would see, before normalisation (mean 0, std 1/255)."""
-    to_model = DeviceTrainInput(augmentation, decode, (0.0, 0.0, 0.0), (1 / 255,) * 3, CPU)
+def pixels_0_255(augmentation: TrainAugmentation, decode: Decode, samples: list[dict],
+                 device: torch.device = CPU) -> torch.Tensor:
+    """What the model would see, before normalisation (mean 0, std 1/255), on the CPU."""
+    to_model = DeviceTrainInput(augmentation, decode, (0.0, 0.0, 0.0), (1 / 255,) * 3, device)
     batch, _ = collate_train([(sample, 0) for sample in samples])
-    return to_model(batch)
+    return to_model(batch).cpu()
 
 
 # ---- crop boxes ---------------------------------------------------------------------------------
@@ -156,6 +157,18 @@ def test_both_paths_give_the_same_crops_whatever_the_file(cases: dict[str, Path]
         reference = torch.from_numpy(np.array(cmyk.convert("RGB"))).permute(2, 0, 1)
     whole = ResizedImages([str(cases["cmyk"])], [0], 30)[0][0]
     assert (whole.float() - tvf.resize(reference, [30, 30], antialias=True).float()).abs().mean() < 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: decodes with nvjpeg")
+def test_nvjpeg_decodes_and_crops_as_the_cpu_path_does(cases: dict[str, Path]) -> None:
+    names = ["rgb", "large", "greyscale", "cmyk", "png", "rgb"]
+    paths = [str(cases[name]) for name in names]
+    gpu = PerSampleSeeded(TrainImages(paths, [0] * 6, TIMM_DEFAULT, Decode.gpu), seed=4)
+    cpu = PerSampleSeeded(TrainImages(paths, [0] * 6, TIMM_DEFAULT, Decode.cpu), seed=4)
+    on_gpu = pixels_0_255(TIMM_DEFAULT, Decode.gpu, [gpu[(0, i)][0] for i in range(6)], torch.device("cuda"))
+    on_cpu = pixels_0_255(TIMM_DEFAULT, Decode.cpu, [cpu[(0, i)][0] for i in range(6)])
+    for name, gpu_image, cpu_image in zip(names, on_gpu, on_cpu):
+        assert (gpu_image - cpu_image).abs().mean() < 4, name
 
 
 def test_a_truncated_jpeg_is_a_user_error_naming_it_on_both_paths(cases: dict[str, Path]) -> None:
