@@ -5,9 +5,9 @@ The folder is ImageNet-like: photo-like JPEGs (quality 90) of 500x375 with a sha
 2,000x1,500 (``LARGE_SHARE``). Each pipeline runs in one DataLoader worker (one process with one
 intra-op thread: one core) with the recipe's default augmentation; the main process only
 receives the batches. images/s per core counts the images after the first batch (start-up
-excluded) per second of the worker's CPU time, so that other jobs on a shared machine do not
-change it; the best of several interleaved passes is kept, with the wall-clock rate beside it. The device side
-of the new pipelines (colour jitter, normalisation; decoding and cropping with
+excluded) per second of the worker's CPU time, so that other jobs on a shared machine change it
+little; the best of several interleaved passes is kept, with the wall-clock rate beside it. The
+device side of the new pipelines (colour jitter, normalisation; decoding and cropping with
 ``data.decode=gpu``) is not in these figures: it runs on the GPU.
 
 From images/s per core: the cores one GPU needs to train ResNet-50 at 2,470 images/s (NVIDIA's
