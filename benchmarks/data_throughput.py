@@ -1,17 +1,20 @@
 """Data throughput: each recipe's training input pipeline per worker, against its model's step.
 
 For every recipe whose ``recipes/<r>/data.py`` exists, the benchmark builds the recipe's own
-training pipeline (its dataset class and transform, from its default config) over generated
+training pipeline (its dataset class and augmentation, from its default config) over generated
 files in the dataset's real format and at realistic sizes (ImageNet-like 500x375 JPEGs, VOC
 JPEG + palette PNG pairs, FungiTastic 300p JPEGs, CIFAR-100 pickles, Fashion-MNIST IDX), and
-times it on one CPU core (``torch.set_num_threads(1)``, as in a DataLoader worker), collation
-included. Pipelines that run on the training device a whole batch at a time (fashion_mnist,
-cifar100_resnet50, dinov2_fsdp) are timed the same way; on a GPU they run as GPU kernels.
+times it on one CPU core (``torch.set_num_threads(1)``, as in a DataLoader worker; per second of
+CPU time, which other jobs on a shared machine change little), collation included. Pipelines
+that run on the training device a whole batch at a time (fashion_mnist, cifar100_resnet50,
+dinov2_fsdp) are timed the same way; on a GPU they run as GPU kernels. The JPEG recipes' worker
+side is their default ``data.decode=cpu`` path (``benchmarks/jpeg_input.py`` compares it with
+the pipelines before and with ``data.decode=gpu``, through the DataLoader).
 
 The model's training step (forward, backward, SGD step, all threads) is timed on the same CPU.
 No GPU here means the GPU side comes from published training throughputs, named in each row:
-they say how many samples per second a GPU would ask for, hence how many workers like these it
-needs and how far the recipe's default ``trainer.num_workers`` falls short.
+they say how many samples per second a GPU would ask for, hence how many workers (one per CPU
+core: ``trainer.num_workers`` defaults to the cores each rank gets) like these it needs.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from benchmarks.results import Result
 from common.data import PerSampleSeeded, seeded_generator
 from common.entry import validate_overrides
 from recipes.tv_segmentation.coco import voc_palette
-from tools.tiny_data import write_cifar100_tarball, write_fashion_mnist
+from tools.tiny_data import photo, write_cifar100_tarball, write_fashion_mnist
 
 BENCHMARK = "data throughput"
 REPO = Path(__file__).resolve().parents[1]
@@ -70,15 +73,7 @@ class Pipeline:
     next_batch: Callable[[int], Any]  # batch number -> batch (the work a worker or the device does)
     model: torch.nn.Module
     model_input: torch.Tensor
-    workers: int  # the recipe's default trainer.num_workers (0: runs on the training device)
-
-
-def photo(width: int, height: int, rng: np.random.Generator) -> Image.Image:
-    """A photo-like RGB image: smooth colour fields plus grain, so JPEGs have realistic sizes."""
-    coarse = rng.integers(0, 256, size=(height // 24 + 1, width // 24 + 1, 3), dtype=np.uint8)
-    smooth = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC), dtype=np.int16)
-    grain = rng.integers(-12, 13, size=smooth.shape, dtype=np.int16)
-    return Image.fromarray(np.clip(smooth + grain, 0, 255).astype(np.uint8))
+    in_workers: bool  # False: the pipeline runs on the training device
 
 
 def compose(recipe: str, overrides: list[str]) -> Any:
@@ -105,7 +100,7 @@ def fashion_mnist(workdir: Path) -> Pipeline:
         return augment(normalize(images[indices]), cfg.data.random_crop_padding, cfg.data.horizontal_flip,
                        seeded_generator(images.device, 1, n))
 
-    return Pipeline(size, batch, build_model(cfg.model), torch.randn(size, 1, 28, 28), 0)
+    return Pipeline(size, batch, build_model(cfg.model), torch.randn(size, 1, 28, 28), False)
 
 
 def cifar100_resnet50(workdir: Path) -> Pipeline:
@@ -126,7 +121,7 @@ def cifar100_resnet50(workdir: Path) -> Pipeline:
         indices = torch.arange(n * size, (n + 1) * size) % len(images)
         return augmentation(images[indices], labels[indices], seeded_generator(images.device, 0, n), 0, n, 0, 0)
 
-    return Pipeline(size, batch, build_model(cfg.model), torch.randn(4, 3, 32, 32), 0)
+    return Pipeline(size, batch, build_model(cfg.model), torch.randn(4, 3, 32, 32), False)
 
 
 def dinov2_fsdp(workdir: Path) -> Pipeline:
@@ -144,26 +139,29 @@ def dinov2_fsdp(workdir: Path) -> Pipeline:
         return to_model_input(uint8, cfg.model.image_size)
 
     size_px = cfg.model.image_size
-    return Pipeline(size, batch, build_model(cfg.model), torch.randn(2, 3, size_px, size_px), 0)
+    return Pipeline(size, batch, build_model(cfg.model), torch.randn(2, 3, size_px, size_px), False)
 
 
 def timm_imagenet(workdir: Path) -> Pipeline:
     import timm
 
-    from recipes.timm_imagenet.data import image_folder, resolve, train_transform
+    from common.images import TrainImages, collate_train
+    from recipes.timm_imagenet.data import resolve, train_augmentation
 
     rng = np.random.default_rng(0)
+    paths = []
     for i in range(32):
-        folder = workdir / "imagenet" / "train" / f"n{i % 4:08d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        photo(500, 375, rng).save(folder / f"img_{i}.JPEG", quality=90)
+        path = workdir / "imagenet" / f"img_{i}.JPEG"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        photo(500, 375, rng).save(path, quality=90)
+        paths.append(str(path))
     cfg = compose("timm_imagenet", [f"data.root={workdir / 'imagenet'}"])
     model = timm.create_model(cfg.model.name, pretrained=False)
     data_config = resolve(model, cfg.data.train_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
-    dataset = image_folder(workdir / "imagenet" / "train", train_transform(cfg.data, data_config))
+    dataset = TrainImages(paths, [0] * len(paths), train_augmentation(cfg.data, data_config), cfg.data.decode)
     size = data_config["input_size"][-1]
-    return Pipeline(32, worker_batches(dataset, 32, cfg.seed), model, torch.randn(2, 3, size, size),
-                    cfg.trainer.num_workers)
+    return Pipeline(32, worker_batches(dataset, 32, cfg.seed, collate_train), model, torch.randn(2, 3, size, size),
+                    True)
 
 
 def tv_segmentation(workdir: Path) -> Pipeline:
@@ -189,13 +187,14 @@ def tv_segmentation(workdir: Path) -> Pipeline:
                                          num_classes=cfg.model.num_classes, aux_loss=cfg.model.aux_loss)
     crop = cfg.data.crop_size
     return Pipeline(cfg.trainer.batch_size, worker_batches(dataset, cfg.trainer.batch_size, cfg.seed, pad_collate),
-                    model, torch.randn(2, 3, crop, crop), cfg.trainer.num_workers)
+                    model, torch.randn(2, 3, crop, crop), True)
 
 
 def fungitastic(workdir: Path) -> Pipeline:
     import timm
 
-    from recipes.fungitastic.data import FungiImages, Split, train_transform
+    from common.images import TrainImages, collate_train
+    from recipes.fungitastic.data import train_augmentation
 
     rng = np.random.default_rng(0)
     paths = []
@@ -205,26 +204,26 @@ def fungitastic(workdir: Path) -> Pipeline:
         photo(400, 300, rng).save(path, quality=90)
         paths.append(str(path))
     cfg = compose("fungitastic", [f"data.root={workdir / 'fungi'}"])
-    split = Split("train", workdir / "fungi.csv", paths, np.zeros((len(paths), len(cfg.data.ranks)), np.int64), 0, 0)
-    draft = cfg.data.image_size if cfg.data.draft_decode else 0
-    dataset = FungiImages(split, train_transform(cfg.data), draft)
+    labels = torch.zeros(len(paths), len(cfg.data.ranks), dtype=torch.int64)
+    dataset = TrainImages(paths, labels, train_augmentation(cfg.data), cfg.data.decode, cfg.data.draft_decode)
     model = timm.create_model(cfg.model.name, pretrained=False)
     size = cfg.data.image_size
-    return Pipeline(cfg.trainer.batch_size, worker_batches(dataset, cfg.trainer.batch_size, cfg.seed), model,
-                    torch.randn(2, 3, size, size), cfg.trainer.num_workers)
+    return Pipeline(cfg.trainer.batch_size, worker_batches(dataset, cfg.trainer.batch_size, cfg.seed, collate_train),
+                    model, torch.randn(2, 3, size, size), True)
 
 
 def samples_per_second(pipeline: Pipeline, seconds: float) -> float:
-    """Batches until ``seconds`` have passed (at least two, the first one untimed), on one thread."""
+    """Batches until ``seconds`` of this process's CPU time have passed (at least two, the first
+    one untimed), on one thread: samples per second of one core, whatever else the machine runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         pipeline.next_batch(0)
-        start, batches = time.perf_counter(), 0
-        while batches < 1 or time.perf_counter() - start < seconds:
+        start, batches = time.process_time(), 0
+        while batches < 1 or time.process_time() - start < seconds:
             batches += 1
             pipeline.next_batch(batches)
-        return batches * pipeline.batch_size / (time.perf_counter() - start)
+        return batches * pipeline.batch_size / (time.process_time() - start)
     finally:
         torch.set_num_threads(threads)
 
@@ -249,17 +248,13 @@ def model_samples_per_second(model: torch.nn.Module, x: torch.Tensor, steps: int
     return steps * len(x) / (time.perf_counter() - start)
 
 
-def verdict(recipe: str, per_worker: float, workers: int) -> tuple[int, str]:
-    """How many workers like this one the GPU reference needs, and what the default gives."""
+def verdict(recipe: str, per_worker: float) -> tuple[int, str]:
+    """How many workers (CPU cores) like this one the GPU reference needs."""
     reference = GPU_REFERENCES[recipe]
-    needed = reference.samples_per_s / per_worker
-    supplied = per_worker * workers
-    share = min(1.0, supplied / reference.samples_per_s)
     kind = "published" if reference.published else "estimated"
-    text = (f"{kind} GPU demand {reference.samples_per_s:,.0f} samples/s ({reference.source}); default "
-            f"{workers} workers give {supplied:,.0f}/s: ")
-    text += "keeps up" if share >= 1 else f"GPU starved, busy at most {100 * share:.0f}% of the time"
-    return math.ceil(needed), text
+    text = (f"{kind} GPU demand {reference.samples_per_s:,.0f} samples/s ({reference.source}); give each GPU's "
+            f"rank at least this many CPU cores (trainer.num_workers defaults to one worker per core)")
+    return math.ceil(reference.samples_per_s / per_worker), text
 
 
 def run(quick: bool) -> list[Result]:
@@ -274,7 +269,7 @@ def run(quick: bool) -> list[Result]:
             per_worker = samples_per_second(pipeline, 1.0 if quick else 10.0)
         model_rate = model_samples_per_second(pipeline.model, pipeline.model_input, 1 if quick else 3,
                                               warmup=not quick)
-        on_device = pipeline.workers == 0
+        on_device = not pipeline.in_workers
         where = "on the training device, one CPU thread" if on_device else "per DataLoader worker (one CPU core)"
         results += [
             Result(BENCHMARK, f"{recipe}: input pipeline", per_worker, "samples/s",
@@ -285,6 +280,6 @@ def run(quick: bool) -> list[Result]:
                    f"{per_worker / model_rate:,.0f}x faster"),
         ]
         if not on_device:
-            needed, text = verdict(recipe, per_worker, pipeline.workers)
+            needed, text = verdict(recipe, per_worker)
             results.append(Result(BENCHMARK, f"{recipe}: workers one GPU needs", needed, "workers", text))
     return results

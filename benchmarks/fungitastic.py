@@ -5,7 +5,7 @@ images/s here times ``trainer.num_workers`` is what the loader can feed one GPU;
 training throughput (``train/images_per_s`` in the recipe's logs) by it to size ``num_workers``.
 The JPEGs are synthetic (smooth gradients plus noise) at the short sides of the dataset's 300p
 and 720p folders; real photos compress differently, so treat the figures as indicative. ``draft`` is
-``data.draft_decode``: libjpeg decodes at 1/2..1/8 scale while both sides stay >= the crop size.
+``data.draft_decode``: libjpeg decodes at 1/2..1/8 scale while the crop stays >= the output size.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import torch
 from PIL import Image
 
 from benchmarks.results import Result
+from common.config import Decode
 from common.data import PerSampleSeeded
+from common.images import ResizedImages, TrainImages
 from recipes.fungitastic.config import DataConfig
-from recipes.fungitastic.data import FungiImages, Split, eval_transform, train_transform
+from recipes.fungitastic.data import train_augmentation
 
 BENCHMARK = "FungiTastic decode + augment, one worker"
 
@@ -60,14 +62,13 @@ def run(quick: bool) -> list[Result]:
         with tempfile.TemporaryDirectory() as tmp:
             for short_side in short_sides:
                 paths = write_jpegs(Path(tmp), count, short_side)
-                split = Split("bench", Path(tmp), paths, np.zeros((count, 1), dtype=np.int64), 0, 0)
+                labels = [0] * count
                 for draft in (False, True):
-                    min_side = cfg.image_size if draft else 0
-                    train = PerSampleSeeded(FungiImages(split, train_transform(cfg), min_side), seed=0)
+                    train = PerSampleSeeded(TrainImages(paths, labels, train_augmentation(cfg), Decode.cpu, draft), 0)
                     rate = images_per_second(train, [(0, i) for i in range(count)], repeats)
                     results.append(Result(BENCHMARK, f"train, {short_side}p, draft={draft}", rate, "images/s",
                                           "RandomResizedCrop(224, 0.8-1) + RandAugment(2, 20)"))
-                evaluation = FungiImages(split, eval_transform(cfg), cfg.image_size)
+                evaluation = ResizedImages(paths, labels, cfg.image_size)
                 rate = images_per_second(evaluation, list(range(count)), repeats)
                 results.append(Result(BENCHMARK, f"eval, {short_side}p, draft=True", rate, "images/s",
                                       "Resize(224, 224)"))

@@ -34,6 +34,13 @@ class Mode(str, Enum):
     min = "min"
 
 
+class Decode(str, Enum):
+    """Where training JPEGs become pixels (``common/images.py``)."""
+
+    cpu = "cpu"  # DataLoader workers decode, crop and augment; uint8 batches reach the device
+    gpu = "gpu"  # workers read the files' bytes; the training device decodes (nvjpeg) and crops each batch
+
+
 @dataclass
 class TrainerConfig:
     epochs: int = 10
@@ -51,7 +58,7 @@ class TrainerConfig:
     # uninterrupted one (same GPU model and software). Off: TF32 matmuls and cuDNN autotuning on CUDA.
     deterministic: bool = False
     channels_last: bool = False
-    num_workers: int = 0
+    num_workers: int = -1  # DataLoader workers per rank; -1: the CPU cores this rank gets (common.data)
 
 
 @dataclass

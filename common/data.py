@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import os
 import random
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -83,6 +84,16 @@ class PerSampleSeeded(Dataset):
             return self.dataset[index]
 
 
+def cpu_cores_per_rank() -> int:
+    """The CPU cores this process may use (its affinity mask, capped by SLURM_CPUS_PER_TASK), shared
+    with the other ranks torchrun started on this node (LOCAL_WORLD_SIZE); at least 1. Under
+    ``srun`` with one task per rank each task has its own cores, and LOCAL_WORLD_SIZE is unset."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        cores = min(cores, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def make_loader(
     dataset: Dataset,
     sampler: ResumableDistributedSampler,
@@ -95,10 +106,13 @@ def make_loader(
 ) -> DataLoader:
     """A DataLoader over a resumable sampler with the settings that keep a GPU fed.
 
-    Pass a ``generator`` of its own when training uses the global torch RNG (dropout): a new
-    DataLoader iterator draws its workers' base seed from it, and a resumed run creates its
-    iterator at a different step than the uninterrupted run did.
+    ``num_workers=-1`` (``trainer.num_workers``' default) starts one worker per CPU core this
+    rank gets (:func:`cpu_cores_per_rank`). Pass a ``generator`` of its own when training uses
+    the global torch RNG (dropout): a new DataLoader iterator draws its workers' base seed from
+    it, and a resumed run creates its iterator at a different step than the uninterrupted run did.
     """
+    if num_workers < 0:
+        num_workers = cpu_cores_per_rank()
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -20,9 +20,10 @@ from sklearn.utils.class_weight import compute_class_weight
 
 from common.entry import user_message
 from common.errors import UserError
+from common.images import ResizedImages
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import DataConfig, ModelConfig
-from recipes.fungitastic.data import decode, load_split
+from recipes.fungitastic.data import load_split
 from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
 from recipes.fungitastic.model import build_model, load_pretrained
 from tests.conftest import (
@@ -168,7 +169,7 @@ def test_a_corrupt_jpeg_is_one_line_even_when_a_dataloader_worker_reports_it(tmp
 
     (tmp_path / "broken.JPG").write_bytes(b"not a jpeg")
     with pytest.raises(UserError) as raised:
-        decode(str(tmp_path / "broken.JPG"), 32)
+        ResizedImages([str(tmp_path / "broken.JPG")], [0], 32)[0]
     expected = f"{tmp_path / 'broken.JPG'} is not a readable image"
     assert str(raised.value).startswith(expected)
     try:  # what the main process receives when a worker raised it

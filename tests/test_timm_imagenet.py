@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from common.entry import CONF_DIR
 from common.errors import UserError
 from data_prep import timm_imagenet as prep
-from recipes.timm_imagenet.data import resolve, train_transform
+from recipes.timm_imagenet.data import resolve, train_augmentation
 from recipes.timm_imagenet.model import build_model
 from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
 from tests.conftest import assert_ok, kill_run, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
@@ -70,7 +70,7 @@ def test_end_to_end_learns_stages_data_and_writes_outputs(imagenet: Path, tmp_pa
     assert summary["metrics"]["eval/top1"] > 0.6, "each class has its own colour; training did not learn"
     assert summary["metrics"]["eval/top5"] == 1.0  # 3 classes: the top 5 always holds the label
     assert 0 <= summary["metrics"]["eval_ema/top1"] <= 1 and len(summary["ema_digest"]) == 64
-    assert "train 32px bilinear, eval 40px bilinear (crop_pct 0.875)" in result.stdout
+    assert "train 32px bilinear decoded on cpu, eval 40px bilinear (crop_pct 0.875), 0 loader workers" in result.stdout
     staged = list(stage.iterdir())
     assert len(staged) == 1 and (staged[0] / ".staging-complete").is_file()
     assert f"from {staged[0]}" in result.stdout
@@ -85,11 +85,15 @@ def test_end_to_end_learns_stages_data_and_writes_outputs(imagenet: Path, tmp_pa
     assert rerun["model_digest"] == summary["model_digest"] and rerun["resumes"] == 1
 
 
-def test_sigkill_at_a_random_step_then_resume_is_bit_exact(imagenet: Path, tmp_path: Path) -> None:
-    """Every source of randomness at once: workers with RandAugment + random erasing, repeated
-    augmentation, Mixup/CutMix, drop path, EMA and gradient accumulation."""
+@pytest.mark.parametrize("decode, policy", [("cpu", "rand-m9-mstd0.5-inc1"), ("gpu", "ta_wide")])
+def test_sigkill_at_a_random_step_then_resume_is_bit_exact(imagenet: Path, tmp_path: Path, decode: str,
+                                                           policy: str) -> None:
+    """Every source of randomness at once: crops and a policy drawn in workers (the policy applied
+    there, or on the device with data.decode=gpu), random erasing, repeated augmentation,
+    Mixup/CutMix, drop path, EMA and gradient accumulation."""
     settings = ["trainer.epochs=2", "checkpoint.every_steps=1", "trainer.num_workers=1", "seed=3",
-                "data.auto_augment=rand-m9-mstd0.5-inc1", "data.re_prob=0.5", "data.repeated_augmentation=3",
+                f"data.decode={decode}", f"data.auto_augment={policy}", "data.re_prob=0.5",
+                "data.repeated_augmentation=3",
                 "data.ra_selected_round=0", "mixup.mixup_alpha=0.8", "mixup.cutmix_alpha=1.0",
                 "model.drop_path_rate=0.2", "ema.enabled=true", "trainer.global_batch_size=16",
                 "optim.opt=adamw", "optim.lr=0.002", "optim.weight_decay=0.05"]
@@ -137,13 +141,17 @@ def test_top1_top5_over_two_ranks_equal_one_rank(imagenet: Path, tmp_path: Path)
     assert round(metrics[1]["eval/top1"] * 15, 6).is_integer()  # a count over all 15 images, not a mean of means
 
 
-def test_a_corrupt_jpeg_in_a_worker_is_a_one_line_error(imagenet: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_a_corrupt_jpeg_is_a_one_line_error(imagenet: Path, tmp_path: Path, decode: str) -> None:
+    """Cut after its header, so that with data.decode=gpu the worker passes it on and the device
+    decoder (here torchvision's CPU decoder, in the main process) is the one that fails."""
     broken = tmp_path / "broken"
     write_image_folder(broken, train_per_class=4, val_per_class=1, size=32)
     bad = sorted((broken / "train").rglob("*.JPEG"))[0]
-    bad.write_bytes(bad.read_bytes()[:100])
+    data = bad.read_bytes()
+    bad.write_bytes(data[: data.index(b"\xff\xda") + 40])  # 40 bytes into the scan (after the SOS marker)
     result = run_recipe(RECIPE, overrides(broken, tmp_path / "run", "trainer.num_workers=1", "trainer.epochs=1",
-                                          "trainer.batch_size=12"))
+                                          "trainer.batch_size=12", f"data.decode={decode}"))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {bad} is not a readable image"), result.stderr
@@ -206,10 +214,11 @@ def test_each_preset_composes_and_its_model_and_transforms_build(preset: str, tm
     assert sum(p.numel() for p in model.parameters()) / 1e6 == pytest.approx(millions, abs=0.1)
     data_config = resolve(model, cfg.data.train_size, 0.0, cfg.data.interpolation)
     assert data_config["input_size"][-1] == cfg.data.train_size
-    transform = train_transform(cfg.data, data_config)
+    augmentation = train_augmentation(cfg.data, data_config)
     policy = cfg.data.auto_augment.split("-")[0]
     expected = {"ta_wide": "TrivialAugmentWide", "rand": "RandAugment", "v0": "AutoAugment"}[policy]
-    assert expected in repr(transform)
+    assert expected in repr(augmentation.per_sample)
+    assert augmentation.colour_jitter == 0, "timm turns the colour jitter off when a policy is set"
 
 
 def test_pretrained_weights_load_from_a_local_file(tmp_path: Path) -> None:

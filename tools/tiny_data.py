@@ -280,3 +280,32 @@ def write_fungitastic(
         lines = [",".join(columns)] + [",".join(str(value) for value in row) for row in rows]
         csv.write_text("\n".join(lines) + "\n")
     return root
+
+
+def photo(width: int, height: int, rng: np.random.Generator):
+    """A photo-like RGB PIL image: smooth colour fields plus grain, so its JPEG has a realistic
+    size and resampling it is not trivially exact."""
+    from PIL import Image
+
+    coarse = rng.integers(0, 256, size=(height // 24 + 1, width // 24 + 1, 3), dtype=np.uint8)
+    smooth = np.asarray(Image.fromarray(coarse).resize((width, height), Image.BICUBIC), dtype=np.int16)
+    grain = rng.integers(-12, 13, size=smooth.shape, dtype=np.int16)
+    return Image.fromarray(np.clip(smooth + grain, 0, 255).astype(np.uint8))
+
+
+def write_jpeg_cases(folder: Path, width: int = 120, height: int = 90, seed: int = 0) -> dict[str, Path]:
+    """The files a JPEG folder can hold, each named by its case: ``rgb`` (a YCbCr JPEG), ``large``
+    (4x the size: decoded at a reduced scale), ``greyscale`` and ``cmyk`` JPEGs, ``png`` (a PNG
+    named .JPEG, as one ImageNet file is) and ``truncated`` (the header intact, the data cut)."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    cases = {name: folder / f"{name}.JPEG" for name in ("rgb", "large", "greyscale", "cmyk", "png", "truncated")}
+    photo(width, height, rng).save(cases["rgb"], quality=90)
+    photo(4 * width, 4 * height, rng).save(cases["large"], quality=90)
+    photo(width, height, rng).convert("L").save(cases["greyscale"], quality=90)
+    photo(width, height, rng).convert("CMYK").save(cases["cmyk"], quality=90)
+    photo(width, height, rng).save(cases["png"], format="PNG")
+    photo(width, height, rng).save(cases["truncated"], quality=90)
+    data = cases["truncated"].read_bytes()
+    cases["truncated"].write_bytes(data[: len(data) // 2])
+    return cases

@@ -7,7 +7,7 @@ from enum import Enum
 
 from hydra.core.config_store import ConfigStore
 
-from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
+from common.config import CheckpointConfig, Decode, LoggingConfig, RunConfig, TrainerConfig
 
 DEFAULT_RANKS = ["species", "genus", "family", "order", "class", "phylum"]
 
@@ -31,6 +31,7 @@ class DataConfig:
     randaugment_magnitude: int = 20
     horizontal_flip: bool = False
     draft_decode: bool = True  # let libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale (never below image_size)
+    decode: Decode = Decode.cpu  # training JPEGs: cpu = decoded and cropped in DataLoader workers; gpu = on the device
     skip_missing: bool = False  # rows whose image file is missing: false = stop with an error, true = skip them
     test_split: bool = True  # evaluate the final model on the test split (its CSV must have labels)
 

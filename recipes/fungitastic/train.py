@@ -31,6 +31,7 @@ from common.determinism import configure_determinism
 from common.distributed import DistInfo, init_distributed, shutdown_distributed
 from common.entry import recipe_main
 from common.errors import UserError
+from common.images import DeviceTrainInput, Normalize, ResizedImages, TrainImages, collate_train
 from common.loggers import RunLogger
 from common.metrics import SumMetrics, ratio
 from common.optim import accumulation_steps, scaled_lr, warmup_cosine
@@ -40,7 +41,7 @@ from common.sampler import ResumableDistributedSampler
 from common.summary import where_outputs_are, write_summary
 from recipes.fungitastic import config as _schema  # noqa: F401  (registers the schema)
 from recipes.fungitastic import metadata
-from recipes.fungitastic.data import FungiImages, Split, eval_transform, load_split, normalize, train_transform
+from recipes.fungitastic.data import Split, load_split, train_augmentation
 from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
 from recipes.fungitastic.model import build_model, load_pretrained, optimizer_groups
 
@@ -73,9 +74,9 @@ class MultiTaskLoss:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, cfg: DictConfig, dist_info: DistInfo,
-             criterion: MultiTaskLoss, num_classes: dict[str, int], parents: dict[str, torch.Tensor],
-             stats: tuple[tuple[float, ...], tuple[float, ...]], prefix: str) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, loader: DataLoader, normalize: Normalize, cfg: DictConfig,
+             dist_info: DistInfo, criterion: MultiTaskLoss, num_classes: dict[str, int],
+             parents: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
     """Top-1, top-3 and macro-F1 per rank and hierarchy consistency over the whole split, each
     sample counted once across ranks."""
     was_training = model.training
@@ -87,7 +88,7 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, cfg: DictConfig, dist_i
     loader.sampler.set_epoch(0)
     metrics = TaxonomyMetrics(heads, parents, dist_info.device)
     for images, labels in loader:
-        x = normalize(images.to(dist_info.device, non_blocking=True), *stats)
+        x = normalize(images)
         if cfg.trainer.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         labels = labels.to(dist_info.device, non_blocking=True)
@@ -110,8 +111,7 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, cfg: DictConfig, dist_i
 def eval_loader(split: Split, cfg: DictConfig, dist_info: DistInfo, pin_memory: bool) -> DataLoader:
     sampler = ResumableDistributedSampler(len(split.paths), dist_info.rank, dist_info.world_size, shuffle=False,
                                           drop_last=False)
-    draft = cfg.data.image_size if cfg.data.draft_decode else 0
-    dataset = FungiImages(split, eval_transform(cfg.data), draft)
+    dataset = ResizedImages(split.paths, torch.from_numpy(split.labels), cfg.data.image_size, cfg.data.draft_decode)
     return make_loader(dataset, sampler, cfg.trainer.batch_size * 2, cfg.trainer.num_workers, pin_memory,
                        generator=torch.Generator())
 
@@ -168,16 +168,20 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     forward = torch.compile(model) if cfg.trainer.compile else model
 
-    # ---- loaders: workers decode and augment, seeded per (seed, epoch, index) ---------------------
+    # ---- loaders: workers draw each sample's augmentation, seeded per (seed, epoch, index), and
+    # decode and crop it (data.decode=cpu) or leave that to the device (gpu); normalised on the device
     pin_memory = device.type == "cuda"
     sampler = ResumableDistributedSampler(len(splits["train"].paths), dist_info.rank, dist_info.world_size,
                                           seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
-    draft = cfg.data.image_size if cfg.data.draft_decode else 0
-    train_images = PerSampleSeeded(FungiImages(splits["train"], train_transform(cfg.data), draft), cfg.seed)
+    augmentation = train_augmentation(cfg.data)
+    train_images = PerSampleSeeded(TrainImages(splits["train"].paths, torch.from_numpy(splits["train"].labels),
+                                               augmentation, cfg.data.decode, cfg.data.draft_decode), cfg.seed)
     micro_batch = cfg.trainer.batch_size
     # Own generators: creating an iterator must not draw from the global RNG that drop path uses.
     train_loader = make_loader(train_images, sampler, micro_batch, cfg.trainer.num_workers, pin_memory,
-                               generator=torch.Generator())
+                               collate_fn=collate_train, generator=torch.Generator())
+    train_input = DeviceTrainInput(augmentation, cfg.data.decode, *stats, device)
+    eval_input = Normalize(*stats, device)
     eval_loaders = {name: eval_loader(split, cfg, dist_info, pin_memory)
                     for name, split in splits.items() if name != "train"}
 
@@ -224,7 +228,8 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     logger.console(
         f"fungitastic: {cfg.model.name} with heads {', '.join(f'{r} ({num_classes[r]})' for r in ranks)} on "
         f"{dist_info.world_size} rank(s) on {device.type}, global batch {global_batch} ({micro_batch} x "
-        f"{dist_info.world_size} ranks x {accumulate} accumulation), lr {lr:g}, {total_steps} steps"
+        f"{dist_info.world_size} ranks x {accumulate} accumulation), lr {lr:g}, {total_steps} steps; images "
+        f"decoded on {cfg.data.decode.value} by {train_loader.num_workers} loader workers per rank"
     )
 
     timer = train_state.SegmentTimer()
@@ -238,7 +243,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         cadence.saved()
 
     def run_eval(split: str) -> dict[str, float]:
-        metrics = evaluate(forward, eval_loaders[split], cfg, dist_info, criterion, num_classes, parents, stats,
+        metrics = evaluate(forward, eval_loaders[split], eval_input, cfg, dist_info, criterion, num_classes, parents,
                            prefix=split)
         logger.log(metrics, progress.step)
         headline = [f"{split}/{rank}/{m}" for rank in ranks[:1] for m in ("top1", "top3", "f1")]
@@ -264,8 +269,8 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         for _ in range(steps_left_in_epoch):
             group = list(itertools.islice(batches, accumulate))
             group_samples = sum(len(labels) for _, labels in group)
-            for i, (images, labels) in enumerate(group):
-                x = normalize(images.to(device, non_blocking=True), *stats)
+            for i, (inputs, labels) in enumerate(group):
+                x = train_input(inputs)
                 if trainer_cfg.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
                 labels = labels.to(device, non_blocking=True)

@@ -1,9 +1,13 @@
-"""ImageNet-style ImageFolder data with timm's transforms.
+"""ImageNet-style ImageFolder data with timm's augmentation, fed to the device as uint8.
 
 Layout: ``<root>/train/<wnid>/*.JPEG`` and ``<root>/val/<wnid>/*.JPEG`` (``make prep-timm_imagenet``
-checks it and sorts a flat val folder). Images are decoded and augmented in DataLoader workers;
-:class:`common.data.PerSampleSeeded` seeds each sample's augmentation from (seed, epoch, index),
-so the augmentations of a resumed run are those of the uninterrupted run.
+checks it and sorts a flat val folder). Training images go through ``common/images.py``: timm's
+random-resized crop, flip and policy (RandAugment, AutoAugment, AugMix, or torchvision's
+TrivialAugmentWide) per sample, in DataLoader workers or on the device (``data.decode``); timm's
+colour jitter, normalisation and random erasing on the device, a batch at a time, as timm's
+``--prefetcher`` does. Evaluation keeps timm's transform (resize, centre crop) and hands over
+uint8 too. :class:`common.data.PerSampleSeeded` seeds each sample's draws from (seed, epoch,
+index), so the augmentations of a resumed run are those of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ from typing import Any
 import torch
 from PIL import Image
 from timm.data import create_transform, resolve_data_config
-from torchvision import transforms as tv_transforms
+from timm.data.random_erasing import RandomErasing
 from torchvision.datasets import ImageFolder
+from torchvision.transforms import v2
 
 from common.errors import UserError
+from common.images import INTERPOLATIONS, TrainAugmentation
 from recipes.timm_imagenet.config import DataConfig
 
 
@@ -83,36 +89,38 @@ def resolve(model: torch.nn.Module, size: int, crop_pct: float, interpolation: s
     )
 
 
-def train_transform(cfg: DataConfig, data_config: dict[str, Any]) -> Any:
-    """timm's training transform; ``ta_wide`` adds torchvision's TrivialAugmentWide, which the
-    torchvision reference recipes use and timm's factory does not offer."""
-    common = dict(
-        input_size=data_config["input_size"],
-        is_training=True,
-        scale=tuple(cfg.scale),
-        ratio=tuple(cfg.ratio),
-        hflip=cfg.hflip,
-        interpolation=data_config["interpolation"],
-        mean=data_config["mean"],
-        std=data_config["std"],
-        re_prob=cfg.re_prob,
-        re_mode=cfg.re_mode,
-        re_count=cfg.re_count,
-    )
-    if cfg.auto_augment != "ta_wide":
-        try:
-            return create_transform(**common, color_jitter=cfg.color_jitter, auto_augment=cfg.auto_augment or None)
+def train_augmentation(cfg: DataConfig, data_config: dict[str, Any]) -> TrainAugmentation:
+    """timm's training augmentation (``create_transform(is_training=True)``) in ``common.images``'
+    terms. ``ta_wide`` is torchvision's TrivialAugmentWide, which the torchvision reference recipes
+    use and timm's factory does not offer; like timm's policies it turns the colour jitter off."""
+    size, interpolation = data_config["input_size"][-1], data_config["interpolation"]
+    policy, policy_takes_pil = None, False
+    if cfg.auto_augment == "ta_wide":
+        policy = v2.TrivialAugmentWide(interpolation=INTERPOLATIONS.get(interpolation, INTERPOLATIONS["bilinear"]))
+    elif cfg.auto_augment:
+        try:  # timm builds its policies (PIL operations) with parameters that depend on the size and mean
+            _, policy, _ = create_transform(data_config["input_size"], is_training=True, interpolation=interpolation,
+                                            mean=data_config["mean"], std=data_config["std"], color_jitter=None,
+                                            auto_augment=cfg.auto_augment, separate=True)
         except (AssertionError, KeyError, ValueError) as error:
             raise UserError(f"data.auto_augment={cfg.auto_augment!r} is not a timm policy ({error})") from error
-    crop_and_flip, _, to_tensor = create_transform(**common, color_jitter=None, separate=True)
-    interpolation = tv_transforms.InterpolationMode.BICUBIC if data_config["interpolation"] == "bicubic" \
-        else tv_transforms.InterpolationMode.BILINEAR
-    return tv_transforms.Compose([crop_and_flip, tv_transforms.TrivialAugmentWide(interpolation=interpolation),
-                                  to_tensor])
+        policy_takes_pil = True
+    jitter_on = not cfg.auto_augment or "3a" in cfg.auto_augment  # timm keeps it only with its 3-augment
+    return TrainAugmentation(size=size, scale=tuple(cfg.scale), ratio=tuple(cfg.ratio), hflip=cfg.hflip,
+                             interpolation=interpolation, colour_jitter=cfg.color_jitter if jitter_on else 0.0,
+                             per_sample=policy, per_sample_takes_pil=policy_takes_pil)
+
+
+def random_erasing(cfg: DataConfig, device: torch.device) -> RandomErasing | None:
+    """timm's random erasing, on a normalised batch on the device (as timm's prefetcher does)."""
+    if cfg.re_prob <= 0:
+        return None
+    return RandomErasing(cfg.re_prob, mode=cfg.re_mode, max_count=cfg.re_count, device=device)
 
 
 def eval_transform(data_config: dict[str, Any]) -> Any:
-    return create_transform(**data_config, is_training=False)
+    """timm's evaluation transform (resize, centre crop) ending in uint8, normalised on the device."""
+    return create_transform(**data_config, is_training=False, use_prefetcher=True)
 
 
 def describe(data_config: dict[str, Any], with_crop: bool) -> str:

@@ -4,9 +4,11 @@
     torchrun --nproc-per-node 8 -m recipes.timm_imagenet.train +experiment=timm_resnet50
 
 timm provides the model (``create_model``), the data config (``resolve_data_config``), the
-transforms (``create_transform``), Mixup/CutMix, the losses, ``create_optimizer_v2`` (no weight
-decay on norms and biases), ``create_scheduler_v2`` (stepped per optimizer update) and EMA; the
-repeated-augmentation sampler is timm's, made resumable (``sampler.py``).
+augmentation (``create_transform``'s, run by ``common/images.py``: per sample in DataLoader
+workers or on the device, then colour jitter, normalisation and random erasing on the device a
+batch at a time, as timm's ``--prefetcher``), Mixup/CutMix, the losses, ``create_optimizer_v2``
+(no weight decay on norms and biases), ``create_scheduler_v2`` (stepped per optimizer update)
+and EMA; the repeated-augmentation sampler is timm's, made resumable (``sampler.py``).
 
 Run contract (see README.md): the run directory is ``runs/timm_imagenet/<name>``; a run whose
 checkpoint directory holds a valid checkpoint resumes from it, bit-exactly; SIGTERM/SIGUSR1
@@ -40,6 +42,7 @@ from common.determinism import configure_determinism
 from common.distributed import DistInfo, init_distributed, shutdown_distributed
 from common.entry import recipe_main
 from common.errors import UserError
+from common.images import DeviceTrainInput, Normalize, TrainImages, collate_train
 from common.loggers import RunLogger
 from common.metrics import SumMetrics, ratio
 from common.optim import accumulation_steps, scaled_lr
@@ -49,7 +52,15 @@ from common.sampler import ResumableDistributedSampler
 from common.staging import stage_directory
 from common.summary import where_outputs_are, write_summary
 from recipes.timm_imagenet import config as _schema  # noqa: F401  (registers the schema)
-from recipes.timm_imagenet.data import check_layout, describe, eval_transform, image_folder, resolve, train_transform
+from recipes.timm_imagenet.data import (
+    check_layout,
+    describe,
+    eval_transform,
+    image_folder,
+    random_erasing,
+    resolve,
+    train_augmentation,
+)
 from recipes.timm_imagenet.model import build_model
 from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
 
@@ -69,15 +80,15 @@ def seed_step(seed: int, step: int, rank: int) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, cfg: DictConfig, device: torch.device,
-             prefix: str) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, loader: DataLoader, normalize: Normalize, cfg: DictConfig,
+             device: torch.device, prefix: str) -> dict[str, float]:
     """Loss, top-1 and top-5 over the whole split, each image counted once across ranks."""
     was_training = model.training
     model.eval()
     sums = SumMetrics(device)
     sums.add(loss=0.0, top1=0, top5=0, count=0)  # a rank with no images still joins the reduction
     for images, labels in loader:
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        images, labels = normalize(images), labels.to(device, non_blocking=True)
         if cfg.trainer.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         with autocast(device, cfg.trainer.precision):
@@ -125,15 +136,20 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     if cfg.data.stage_to_local:
         root = stage_directory(root, cfg.data.stage_dir, dist_info.local_rank)
     train_dir, val_dir = check_layout(root, cfg.data.train_split, cfg.data.val_split)
-    train_images, val_images = image_folder(train_dir, None), image_folder(val_dir, None)
-    num_classes = len(train_images.classes)
+    train_folder, val_images = image_folder(train_dir, None), image_folder(val_dir, None)
+    num_classes = len(train_folder.classes)
 
     # ---- model, and the data config that goes with it (sizes, interpolation, mean/std) -------
     model = build_model(cfg.model, num_classes)
     train_config = resolve(model, cfg.data.train_size, 0.0, cfg.data.interpolation)
     eval_config = resolve(model, cfg.data.eval_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
-    train_images.transform = train_transform(cfg.data, train_config)
+    augmentation = train_augmentation(cfg.data, train_config)
+    train_images = TrainImages([path for path, _ in train_folder.samples], train_folder.targets, augmentation,
+                               cfg.data.decode, cfg.data.draft_decode)
     val_images.transform = eval_transform(eval_config)
+    train_input = DeviceTrainInput(augmentation, cfg.data.decode, train_config["mean"], train_config["std"], device,
+                                   random_erasing(cfg.data, device))
+    eval_input = Normalize(eval_config["mean"], eval_config["std"], device)
     model = model.to(device)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -157,7 +173,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                                               seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
     pin_memory = device.type == "cuda"
     train_loader = make_loader(PerSampleSeeded(train_images, cfg.seed), sampler, micro_batch,
-                               cfg.trainer.num_workers, pin_memory, drop_last=True)
+                               cfg.trainer.num_workers, pin_memory, collate_fn=collate_train, drop_last=True)
     eval_sampler = ResumableDistributedSampler(len(val_images), dist_info.rank, dist_info.world_size,
                                                shuffle=False, drop_last=False)
     eval_sampler.set_epoch(0)
@@ -217,7 +233,8 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     logger.console(
         f"timm_imagenet: {cfg.model.name}, {num_classes} classes, {len(train_images)} train / "
         f"{len(val_images)} val images from {root}\n"
-        f"  train {describe(train_config, with_crop=False)}, eval {describe(eval_config, with_crop=True)}\n"
+        f"  train {describe(train_config, with_crop=False)} decoded on {cfg.data.decode.value}, eval "
+        f"{describe(eval_config, with_crop=True)}, {train_loader.num_workers} loader workers per rank\n"
         f"  {dist_info.world_size} rank(s) on {device.type}, global batch {global_batch} "
         f"({micro_batch} x {dist_info.world_size} ranks x {accumulate} accumulation), {cfg.optim.opt} lr {lr:g}, "
         f"{total_steps} steps"
@@ -234,9 +251,9 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         cadence.saved()
 
     def run_eval() -> dict[str, float]:
-        metrics = evaluate(forward, eval_loader, cfg, device, "eval")
+        metrics = evaluate(forward, eval_loader, eval_input, cfg, device, "eval")
         if ema is not None:
-            metrics |= evaluate(ema.module, eval_loader, cfg, device, "eval_ema")
+            metrics |= evaluate(ema.module, eval_loader, eval_input, cfg, device, "eval_ema")
         logger.log(metrics, progress.step)
         logger.console(f"epoch {progress.epoch}, step {progress.step}: "
                        + ", ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
@@ -258,12 +275,12 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         bar = logger.progress(steps_per_epoch, initial=steps_per_epoch - math.ceil(micro_batches_left / accumulate),
                               description=f"epoch {progress.epoch + 1}/{trainer_cfg.epochs}")
         group_size = 1
-        for index, (images, labels) in enumerate(train_loader):
+        for index, (inputs, labels) in enumerate(train_loader):
             position = index % accumulate
             if position == 0:
                 group_size = min(accumulate, micro_batches_left - index)
                 seed_step(seed, progress.step, dist_info.rank)
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            images, labels = train_input(inputs), labels.to(device, non_blocking=True)
             targets = labels
             if mixup is not None:
                 images, targets = mixup(images, labels)

@@ -25,6 +25,7 @@ from common.determinism import configure_determinism
 from common.distributed import DistInfo, init_distributed, shutdown_distributed
 from common.entry import recipe_main
 from common.errors import UserError
+from common.images import Normalize
 from common.loggers import RunLogger
 from common.metrics import SumMetrics, ratio
 from common.optim import accumulation_steps, scaled_lr
@@ -34,6 +35,8 @@ from common.sampler import ResumableDistributedSampler
 from common.summary import where_outputs_are, write_summary
 from recipes.tv_segmentation import config as _schema  # noqa: F401  (registers the schema)
 from recipes.tv_segmentation.data import (
+    MEAN,
+    STD,
     VOC_CLASSES,
     SegmentationDataset,
     eval_transform,
@@ -51,12 +54,13 @@ def class_names(num_classes: int) -> list[str]:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, cfg: DictConfig, dist_info: DistInfo) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, loader: DataLoader, normalize: Normalize, cfg: DictConfig,
+             dist_info: DistInfo) -> dict[str, float]:
     """mIoU, pixel accuracy and per-class IoU over the whole split, each pixel counted once."""
     model.eval()
     matrix = ConfusionMatrix(cfg.model.num_classes, dist_info.device)
     for images, masks in loader:
-        images = images.to(dist_info.device, non_blocking=True)
+        images = normalize(images)
         masks = masks.to(dist_info.device, non_blocking=True)
         if cfg.trainer.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
@@ -104,6 +108,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                                collate_fn=pad_collate, drop_last=True, generator=torch.Generator())
     val_loader = make_loader(val_set, val_sampler, cfg.data.eval_batch_size, cfg.trainer.num_workers, pin_memory,
                              collate_fn=pad_collate, generator=torch.Generator())
+    normalize = Normalize(MEAN, STD, device)  # the loaders hand over uint8
 
     # ---- model: torchvision by name, SyncBatchNorm under DDP ---------------------------------
     model = build_model(cfg.model)
@@ -153,7 +158,8 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     logger.console(
         f"tv_segmentation: {cfg.model.name} on {cfg.data.dataset.value} ({len(train_set)} train, {len(val_set)} val "
         f"images), {dist_info.world_size} rank(s) on {device.type}, global batch {global_batch} "
-        f"({micro_batch} x {dist_info.world_size} ranks x {accumulate} accumulation), lr {lr:g}, {total_steps} steps"
+        f"({micro_batch} x {dist_info.world_size} ranks x {accumulate} accumulation), lr {lr:g}, {total_steps} steps, "
+        f"{train_loader.num_workers} loader workers per rank"
     )
     if synced_norms:
         logger.console(f"SyncBatchNorm: {synced_norms} BatchNorm layers synchronised across "
@@ -169,7 +175,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         cadence.saved()
 
     def run_eval() -> dict[str, float]:
-        metrics = evaluate(forward, val_loader, cfg, dist_info)
+        metrics = evaluate(forward, val_loader, normalize, cfg, dist_info)
         logger.log(metrics, progress.step)
         logger.console(f"epoch {progress.epoch}, step {progress.step}: eval/miou {metrics['eval/miou']:.4f}, "
                        f"eval/pixel_accuracy {metrics['eval/pixel_accuracy']:.4f}")
@@ -192,7 +198,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         for _ in range(steps_left_in_epoch):
             for i in range(accumulate):
                 images, masks = next(batches)
-                images = images.to(device, non_blocking=True)
+                images = normalize(images)
                 masks = masks.to(device, non_blocking=True).long()
                 if trainer_cfg.channels_last:
                     images = images.contiguous(memory_format=torch.channels_last)

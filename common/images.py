@@ -1,0 +1,436 @@
+"""Image input pipelines that keep a GPU fed: JPEG files to normalised batches on the device.
+
+timm_imagenet and fungitastic train on random-resized crops of JPEG files. ``data.decode``
+chooses where the pixels are made; every random draw is made in the DataLoader worker either way:
+
+* ``cpu``: the worker reads the file's header, draws the crop box (and flip, colour-jitter
+  factors), decodes at the smallest size libjpeg offers (1/2, 1/4 or 1/8, by DCT scaling) that
+  keeps the box at least the output size, crops and resizes, flips, applies the per-sample
+  augmentation (RandAugment, TrivialAugment) on uint8 and hands over a uint8 batch;
+* ``gpu``: the worker only reads the file's bytes and makes the same draws; the main process
+  decodes the whole batch on the device (``torchvision.io.decode_jpeg``, nvjpeg on CUDA), crops
+  and resizes every image to its box with ``roi_align``, flips and applies the per-sample
+  augmentation there. JPEGs that are not three-component (greyscale, CMYK) and files that are
+  not JPEGs are decoded by the worker, as on the CPU path, and cropped on the device; a JPEG the
+  device decoder refuses is decoded on the CPU, and one nothing decodes is a one-line error.
+
+Then :class:`DeviceTrainInput` does the float work once per batch on the device: colour
+jitter (each sample its own factors), normalisation, random erasing. Float conversion,
+normalisation and colour jitter per sample on the CPU were more than half the cost of the PIL
+pipeline this replaces; the rest is mostly JPEG decoding, which only ``gpu`` moves off the CPU.
+
+Draws use the global Python and torch generators, which :class:`common.data.PerSampleSeeded`
+seeds from (seed, epoch, index): a resumed run sees exactly the images of the uninterrupted
+one, whatever the number of workers. The crop box and flip are drawn as timm's
+``RandomResizedCropAndInterpolation`` and torchvision's ``RandomHorizontalFlip`` draw them,
+and the colour-jitter factors as torchvision's ``ColorJitter``: a fixed seed gives the crop, flip
+and jitter of timm's own transform, with pixels that differ only by resampling and rounding.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import cv2
+import numpy as np
+import torch
+import torchvision
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset, default_collate
+from torchvision.ops import roi_align
+from torchvision.transforms.v2 import InterpolationMode
+from torchvision.transforms.v2 import functional as tvf
+
+from common.config import Decode
+from common.errors import UserError
+
+cv2.setNumThreads(0)  # DataLoader workers already run in parallel
+
+INTERPOLATIONS = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
+DCT_SCALES = (1, 2, 4, 8)  # the reductions libjpeg decodes directly
+_DECODE_FLAGS = {  # 3-channel output at 1/reduction of the size; EXIF rotation ignored, as PIL, timm and nvjpeg do
+    reduction: flag | cv2.IMREAD_IGNORE_ORIENTATION
+    for reduction, flag in ((1, cv2.IMREAD_COLOR), (2, cv2.IMREAD_REDUCED_COLOR_2), (4, cv2.IMREAD_REDUCED_COLOR_4),
+                            (8, cv2.IMREAD_REDUCED_COLOR_8))
+}
+_GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
+
+
+class CropBox(NamedTuple):
+    """A crop in source pixels: rows ``top:top+height``, columns ``left:left+width``."""
+
+    top: float
+    left: float
+    height: float
+    width: float
+
+    def scaled(self, sx: float, sy: float) -> CropBox:
+        """The same region in an image decoded at ``sx`` x ``sy`` of the size (fractional pixels)."""
+        return CropBox(self.top * sy, self.left * sx, self.height * sy, self.width * sx)
+
+
+# ---- worker side: files, headers, decoding, crops ------------------------------------------------
+
+
+def read_file(path: str) -> np.ndarray:
+    """A file's bytes as a writable uint8 array (cv2, PIL and torch read it without a copy)."""
+    try:
+        return np.fromfile(path, dtype=np.uint8)
+    except OSError as error:
+        raise UserError(f"{path} cannot be read ({error})") from error
+
+
+def read_header(data: np.ndarray, path: str) -> tuple[int, int, bool]:
+    """Width, height and whether the device decoder can take it (a three-component JPEG), from
+    the header alone."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.width, image.height, image.format == "JPEG" and image.mode == "RGB"
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        raise UserError(f"{path} is not a readable image ({error})") from error
+
+
+def decode(data: np.ndarray, path: str, reduction: int = 1) -> np.ndarray:
+    """RGB uint8 ``[H, W, 3]``; with ``reduction`` 2, 4 or 8 decoded directly at that fraction of
+    the size (libjpeg's DCT scaling). Greyscale and CMYK come out as RGB, as PIL's convert gives."""
+    pixels = cv2.imdecode(data, _DECODE_FLAGS[reduction])
+    if pixels is None:
+        raise UserError(f"{path} is not a readable image (it does not decode)")
+    return cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB, dst=pixels)  # OpenCV decodes to BGR
+
+
+def dct_reduction(box: CropBox, size: int) -> int:
+    """The largest DCT scale that keeps both sides of ``box`` at least ``size`` pixels."""
+    reduction = 1
+    while reduction < DCT_SCALES[-1] and min(box.height, box.width) >= 2 * reduction * size:
+        reduction *= 2
+    return reduction
+
+
+def random_resized_crop(width: int, height: int, scale: tuple[float, float],
+                        ratio: tuple[float, float]) -> CropBox:
+    """timm's RandomResizedCropAndInterpolation box, drawn from Python's generator in timm's order:
+    an area fraction in ``scale`` and a log-uniform aspect ratio in ``ratio``, 10 tries, then
+    the whole image clipped to ``ratio``. (torchvision's RandomResizedCrop is the same algorithm.)"""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = random.uniform(*scale) * area
+        aspect = math.exp(random.uniform(*log_ratio))
+        crop_width = int(round(math.sqrt(target_area * aspect)))
+        crop_height = int(round(math.sqrt(target_area / aspect)))
+        if 0 < crop_width <= width and 0 < crop_height <= height:
+            return CropBox(random.randint(0, height - crop_height), random.randint(0, width - crop_width),
+                           crop_height, crop_width)
+    if width / height < min(ratio):
+        crop_width, crop_height = width, int(round(width / min(ratio)))
+    elif width / height > max(ratio):
+        crop_width, crop_height = int(round(height * max(ratio))), height
+    else:
+        crop_width, crop_height = width, height
+    return CropBox((height - crop_height) // 2, (width - crop_width) // 2, crop_height, crop_width)
+
+
+def crop_resize(pixels: np.ndarray, box: CropBox, size: int, interpolation: str) -> torch.Tensor:
+    """uint8 ``[3, size, size]``: ``box`` of ``[H, W, 3]`` pixels, resized with antialiasing as
+    PIL does. A whole-pixel box takes torch's uint8 kernels (about twice PIL's speed); a box with
+    fractional edges (an image decoded at a reduced scale) takes PIL's, which resamples exactly
+    that region: rounding it to whole pixels of a 1/8-scale image would shift the crop."""
+    if all(float(edge).is_integer() for edge in box):
+        top, left, height, width = (int(edge) for edge in box)
+        region = torch.from_numpy(pixels[top : top + height, left : left + width]).permute(2, 0, 1)
+        return tvf.resize(region, [size, size], interpolation=INTERPOLATIONS[interpolation], antialias=True)
+    resample = Image.BILINEAR if interpolation == "bilinear" else Image.BICUBIC
+    resized = Image.fromarray(pixels).resize((size, size), resample,
+                                             box=(box.left, box.top, box.left + box.width, box.top + box.height))
+    return torch.from_numpy(np.array(resized)).permute(2, 0, 1)
+
+
+def draw_colour_jitter(strength: float) -> torch.Tensor:
+    """``[brightness, contrast, saturation, order of the 4 adjustments]`` drawn as torchvision's
+    ``ColorJitter(strength, strength, strength).get_params`` draws them (hue, index 3, is off)."""
+    order = torch.randperm(4)
+    low, high = max(0.0, 1 - strength), 1 + strength
+    factors = [float(torch.empty(1).uniform_(low, high)) for _ in range(3)]
+    return torch.tensor([*factors, *order.tolist()], dtype=torch.float32)
+
+
+# ---- the per-sample settings and draws ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainAugmentation:
+    """A recipe's per-sample training augmentation: a random-resized crop to ``size``, a
+    horizontal flip, colour jitter (applied on the device) and a per-sample policy."""
+
+    size: int
+    scale: tuple[float, float] = (0.08, 1.0)  # crop area, as a fraction of the image
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)  # crop aspect ratio
+    hflip: float = 0.5
+    interpolation: str = "bilinear"  # bilinear | bicubic | random (one of the two per sample, as timm)
+    colour_jitter: float = 0.0  # brightness, contrast and saturation strength (timm's scalar color_jitter)
+    per_sample: Callable[[Any], Any] | None = None  # RandAugment, TrivialAugment...: uint8 [3, S, S] (or PIL)
+    per_sample_takes_pil: bool = False  # timm's policies work on PIL images (CPU decoding only)
+
+    def __post_init__(self) -> None:
+        if self.interpolation not in (*INTERPOLATIONS, "random"):
+            raise UserError(f"data.interpolation must be bilinear, bicubic or random, not {self.interpolation!r}")
+
+    def draw(self, width: int, height: int, decode: Decode) -> Draw:
+        """Every random choice for one sample of a ``width`` x ``height`` image."""
+        box = random_resized_crop(width, height, self.scale, self.ratio)
+        interpolation = random.choice(tuple(INTERPOLATIONS)) if self.interpolation == "random" else self.interpolation
+        flip = self.hflip > 0 and bool(torch.rand(1) < self.hflip)
+        jitter = draw_colour_jitter(self.colour_jitter) if self.colour_jitter > 0 else None
+        # On the device the policy runs after the batch is decoded: its draws get a seed of their own.
+        seed = random.getrandbits(63) if decode == Decode.gpu and self.per_sample is not None else 0
+        return Draw(box, interpolation, flip, jitter, seed)
+
+
+class Draw(NamedTuple):
+    box: CropBox
+    interpolation: str
+    flip: bool
+    jitter: torch.Tensor | None
+    seed: int  # seeds the per-sample policy when it runs on the device
+
+
+class TrainImages(Dataset):
+    """``(sample, label)`` for training, made in a DataLoader worker (wrap in PerSampleSeeded).
+
+    With ``decode=cpu`` the sample is ``{"image": uint8 [3, S, S]}`` (plus ``"jitter"``); with
+    ``decode=gpu`` it is the file's bytes and the draws, for :class:`DeviceTrainInput`.
+    """
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[Any], augmentation: TrainAugmentation,
+                 decode: Decode, draft_decode: bool = True) -> None:
+        self.paths = paths
+        self.labels = labels
+        self.augmentation = augmentation
+        self.decode = Decode(decode)
+        self.draft_decode = draft_decode
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[dict[str, Any], Any]:
+        path = self.paths[index]
+        data = read_file(path)
+        width, height, device_decodable = read_header(data, path)
+        draw = self.augmentation.draw(width, height, self.decode)
+        if self.decode == Decode.gpu:
+            sample = self._for_the_device(data, path, width, height, device_decodable, draw)
+        else:
+            sample = {"image": self._crop_here(data, path, width, height, draw)}
+        if draw.jitter is not None:
+            sample["jitter"] = draw.jitter
+        return sample, self.labels[index]
+
+    def _decode_for(self, box: CropBox, data: np.ndarray, path: str, width: int,
+                    height: int) -> tuple[np.ndarray, CropBox]:
+        """The pixels, at a reduced scale where the box allows, and the box in their coordinates."""
+        reduction = dct_reduction(box, self.augmentation.size) if self.draft_decode else 1
+        pixels = decode(data, path, reduction)
+        if reduction == 1:
+            return pixels, box
+        return pixels, box.scaled(pixels.shape[1] / width, pixels.shape[0] / height)
+
+    def _crop_here(self, data: np.ndarray, path: str, width: int, height: int, draw: Draw) -> torch.Tensor:
+        pixels, box = self._decode_for(draw.box, data, path, width, height)
+        image = crop_resize(pixels, box, self.augmentation.size, draw.interpolation)
+        if draw.flip:
+            image = image.flip(-1)
+        policy = self.augmentation.per_sample
+        if policy is None:
+            return image
+        if self.augmentation.per_sample_takes_pil:
+            augmented = policy(Image.fromarray(image.permute(1, 2, 0).numpy()))
+            return torch.from_numpy(np.array(augmented)).permute(2, 0, 1)
+        return policy(image)
+
+    def _for_the_device(self, data: np.ndarray, path: str, width: int, height: int, device_decodable: bool,
+                        draw: Draw) -> dict[str, Any]:
+        """The bytes of a JPEG nvjpeg decodes, else the pixels decoded here (box in their coordinates)."""
+        box, shape = draw.box, (0, 0, 0)
+        if not device_decodable:
+            pixels, box = self._decode_for(draw.box, data, path, width, height)
+            data, shape = pixels.reshape(-1), pixels.shape
+        return {
+            "data": torch.from_numpy(data),
+            "shape": torch.tensor(shape),
+            "box": torch.tensor(box, dtype=torch.float32),
+            "flip": torch.tensor(draw.flip),
+            "seed": torch.tensor(draw.seed),
+            "path": path,
+        }
+
+
+class ResizedImages(Dataset):
+    """``(uint8 [3, S, S], label)``: whole images resized to ``size`` x ``size`` (evaluation)."""
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[Any], size: int, draft_decode: bool = True) -> None:
+        self.paths = paths
+        self.labels = labels
+        self.size = size
+        self.draft_decode = draft_decode
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, Any]:
+        path = self.paths[index]
+        data = read_file(path)
+        width, height, _ = read_header(data, path)
+        whole = CropBox(0, 0, height, width)
+        pixels = decode(data, path, dct_reduction(whole, self.size) if self.draft_decode else 1)
+        box = CropBox(0, 0, *pixels.shape[:2])
+        return crop_resize(pixels, box, self.size, "bilinear"), self.labels[index]
+
+
+def collate_train(batch: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
+    """Stack a batch of :class:`TrainImages` samples. File bytes of different lengths are joined
+    into one tensor (one shared-memory block per batch instead of one per file)."""
+    samples, labels = zip(*batch)
+    if "data" not in samples[0]:
+        return default_collate(list(samples)), default_collate(list(labels))
+    fixed = default_collate([{key: value for key, value in sample.items() if key != "data"} for sample in samples])
+    pieces = [sample["data"] for sample in samples]
+    fixed["data"] = torch.cat(pieces)
+    fixed["length"] = torch.tensor([len(piece) for piece in pieces])
+    return fixed, default_collate(list(labels))
+
+
+# ---- main-process side: the device does the float work ----------------------------------------
+
+
+class Normalize:
+    """uint8 (or 0-255 float) batches to float normalised with ``mean`` and ``std`` (0-1 scale),
+    on the device; the constants are made there once."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], device: torch.device) -> None:
+        self.device = device
+        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
+        self.std = torch.tensor(std, device=device).view(1, -1, 1, 1) * 255
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        return (images.to(self.device, non_blocking=True).float() - self.mean) / self.std
+
+
+class DeviceTrainInput:
+    """A batch of :class:`TrainImages` samples to the model's input, on the device: decoding,
+    crop, flip and the per-sample policy (``decode=gpu``), then colour jitter, normalisation and
+    ``batch_augmentation`` (e.g. random erasing) on the whole batch."""
+
+    def __init__(self, augmentation: TrainAugmentation, decode: Decode, mean: Sequence[float],
+                 std: Sequence[float], device: torch.device,
+                 batch_augmentation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.augmentation = augmentation
+        self.decode = Decode(decode)
+        self.device = device
+        self.normalize = Normalize(mean, std, device)
+        self.batch_augmentation = batch_augmentation
+        self.grey_weights = torch.tensor(_GREY_WEIGHTS, device=device).view(1, 3, 1, 1)
+        if self.decode == Decode.gpu:
+            if augmentation.per_sample_takes_pil:
+                raise UserError("data.decode=gpu runs the per-sample augmentation on the device, and this one "
+                                "(a timm policy) works on PIL images only: use data.decode=cpu, or a torchvision "
+                                "policy (ta_wide)")
+            if augmentation.interpolation != "bilinear":
+                raise UserError(f"data.decode=gpu resizes bilinearly (roi_align), not {augmentation.interpolation}: "
+                                "set data.interpolation=bilinear or use data.decode=cpu")
+
+    def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
+        images = self.crops_on_device(batch) if self.decode == Decode.gpu else batch["image"]
+        images = images.to(self.device, non_blocking=True).float()
+        if "jitter" in batch:
+            images = self.colour_jitter(images, batch["jitter"].to(self.device, non_blocking=True))
+        images = self.normalize(images)
+        return self.batch_augmentation(images) if self.batch_augmentation is not None else images
+
+    def crops_on_device(self, batch: dict[str, Any]) -> torch.Tensor:
+        """uint8 ``[B, 3, S, S]``: the batch decoded, cropped, resized, flipped and augmented."""
+        pieces = batch["data"].split(batch["length"].tolist())
+        images: list[torch.Tensor | None] = [None] * len(pieces)
+        jpegs = []
+        for i, (piece, shape) in enumerate(zip(pieces, batch["shape"].tolist())):
+            if shape[0]:
+                images[i] = piece.view(shape).to(self.device, non_blocking=True).permute(2, 0, 1)
+            else:
+                jpegs.append(i)
+        for i, image in zip(jpegs, self.decode_jpegs([pieces[i] for i in jpegs], [batch["path"][i] for i in jpegs])):
+            images[i] = image
+        crops = self.resized_crops(images, batch["box"])
+        crops = crops.round_().clamp_(0, 255).to(torch.uint8)  # the per-sample policy sees uint8, as on the CPU
+        flips = batch["flip"].to(self.device, non_blocking=True).view(-1, 1, 1, 1)
+        crops = torch.where(flips, crops.flip(-1), crops)
+        if self.augmentation.per_sample is not None:
+            with torch.random.fork_rng(devices=[]):  # the policy draws from torch's CPU generator
+                for i, seed in enumerate(batch["seed"].tolist()):
+                    torch.default_generator.manual_seed(seed)
+                    crops[i] = self.augmentation.per_sample(crops[i])
+        return crops
+
+    def decode_jpegs(self, pieces: list[torch.Tensor], paths: list[str]) -> list[torch.Tensor]:
+        """Decode a batch on the device at once; if that fails, one at a time, so that a file the
+        device decoder refuses is decoded on the CPU, and one nothing decodes is named."""
+        if not pieces:
+            return []
+        try:
+            return self.decode_on_device(pieces)
+        except RuntimeError:
+            return [self.decode_one(piece, path) for piece, path in zip(pieces, paths)]
+
+    def decode_one(self, piece: torch.Tensor, path: str) -> torch.Tensor:
+        try:
+            return self.decode_on_device([piece])[0]
+        except RuntimeError:
+            pixels = decode(piece.numpy(), path)
+            return torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)
+
+    def decode_on_device(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders for TorchCodec's
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return torchvision.io.decode_jpeg(pieces, mode=torchvision.io.ImageReadMode.RGB, device=self.device)
+
+    def resized_crops(self, images: list[torch.Tensor], boxes: torch.Tensor) -> torch.Tensor:
+        """float ``[B, 3, S, S]``: each image's box resized with ``roi_align`` (bilinear samples,
+        averaged over each output pixel's footprint when shrinking). Images of one size go through
+        one call; the boxes reach the device in one copy."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, image in enumerate(images):
+            by_shape.setdefault(tuple(image.shape), []).append(i)
+        order = [i for members in by_shape.values() for i in members]
+        top, left, height, width = boxes[order].unbind(1)
+        in_group = torch.cat([torch.arange(len(members)) for members in by_shape.values()]).float()
+        rois = torch.stack([in_group, left, top, left + width, top + height], 1)  # x1, y1, x2, y2
+        if self.device.type == "cuda":
+            rois = rois.pin_memory()
+        rois = rois.to(self.device, non_blocking=True)
+        size, outputs, start = self.augmentation.size, {}, 0
+        for members in by_shape.values():
+            group = torch.stack([images[i] for i in members]).float()
+            crops = roi_align(group, rois[start : start + len(members)], size, spatial_scale=1.0,
+                              sampling_ratio=-1, aligned=True)
+            outputs |= {i: crop for i, crop in zip(members, crops)}
+            start += len(members)
+        return torch.stack([outputs[i] for i in range(len(images))])
+
+    def colour_jitter(self, images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        """torchvision's ColorJitter on 0-255 floats, each sample with its own factors and order."""
+        factors = params[:, :3].view(-1, 3, 1, 1, 1)
+        brightness, contrast, saturation = factors.unbind(1)
+        for position in range(4):
+            step = params[:, 3 + position].view(-1, 1, 1, 1)
+            grey = (images * self.grey_weights).sum(1, keepdim=True)
+            adjusted = torch.where(step == 0, images * brightness, images)
+            adjusted = torch.where(step == 1, contrast * images + (1 - contrast) * grey.mean((2, 3), keepdim=True),
+                                   adjusted)
+            adjusted = torch.where(step == 2, saturation * images + (1 - saturation) * grey, adjusted)
+            images = adjusted.clamp_(0, 255)
+        return images
