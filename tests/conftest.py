@@ -72,6 +72,21 @@ def latest_step(checkpoint_dir: Path) -> int:
         return -1
 
 
+def sampler_positions(checkpoint_dir: Path) -> list[dict[str, int]]:
+    """The sampler state recorded in every complete checkpoint of ``checkpoint_dir``, by step:
+    ``{"step", "epoch", "consumed", "world_size", ...}``. ``consumed`` counts the positions of
+    the epoch's global order done by all ranks together, so a chain of these shows which
+    samples each step took. Incomplete (``.tmp-``) checkpoints are not listed."""
+    import torch
+
+    positions = []
+    for path in sorted(checkpoint_dir.glob("step_*")):
+        if (path / "manifest.json").is_file():
+            state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+            positions.append({"step": int(path.name.split("_")[1]), **state["sampler"]})
+    return positions
+
+
 def wait_for_step(checkpoint_dir: Path, step: int, process: subprocess.Popen, timeout: float = 120) -> int:
     """Poll until a checkpoint at ``step`` or later exists; fail if the run ended first."""
     deadline = time.monotonic() + timeout
@@ -112,6 +127,17 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory):
     sc.require_slurm_or_skip()
     with sc.running_local_slurm(tmp_path_factory.mktemp("slurm")) as env:
         yield env
+
+
+@pytest.fixture(scope="session")
+def multinode_slurm(tmp_path_factory: pytest.TempPathFactory):
+    """A real two-node local SLURM for the whole session, each slurmd in its own network, UTS and
+    mount namespace (skipped where namespaces are not permitted, failed under REQUIRE_MULTINODE=1)."""
+    sc.require_multinode_or_skip(nodes=2)
+    state = tmp_path_factory.mktemp("slurm2")
+    # A requeued job may start again after 5 s (the script's default is 10 s).
+    with sc.running_local_slurm(state, nodes=2, extra_env={"LOCAL_SLURM_REQUEUE_DELAY": "5"}) as env:
+        yield sc.LocalCluster(env=env, state_dir=state, nodes=("node0", "node1"))
 
 
 def free_port() -> int:
