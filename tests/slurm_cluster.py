@@ -105,21 +105,21 @@ def require_slurm_or_skip() -> None:
 
 
 def multinode_available(nodes: int = 2) -> tuple[bool, str]:
-    """Whether a local cluster of ``nodes`` nodes (namespaces, veth pairs, a bridge) can run here."""
-    ok, reason = slurm_available()
-    if not ok:
-        return ok, reason
+    """Whether this machine permits a local cluster of ``nodes`` nodes (root, network and UTS
+    namespaces, veth pairs, a bridge: ``local_cluster.sh check``); the reason when it does not."""
     proc = subprocess.run(["bash", str(SCRIPT), "check", "--nodes", str(nodes)], capture_output=True, text=True,
                           env=script_env(), stdin=subprocess.DEVNULL, timeout=60)
     if proc.returncode != 0:
-        return False, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "local_cluster.sh check failed"
+        lines = proc.stderr.strip().splitlines()
+        return False, lines[-1] if lines else f"local_cluster.sh check failed (exit {proc.returncode})"
     return True, ""
 
 
 def require_multinode_or_skip(nodes: int = 2) -> None:
-    """Skip without a several-node local cluster; fail instead when REQUIRE_MULTINODE=1."""
+    """Skip without SLURM or namespaces; fail instead under REQUIRE_SLURM=1 or REQUIRE_MULTINODE=1."""
     import pytest
 
+    require_slurm_or_skip()
     ok, reason = multinode_available(nodes)
     if ok:
         return

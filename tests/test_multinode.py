@@ -368,6 +368,21 @@ def test_node_failure_leaves_no_half_checkpoint_and_a_one_node_job_finishes_the_
     assert summary["world_size"] == 1 and summary["epochs"] == 2 and summary["resumes"] == 2
 
 
+def test_srun_without_torchrun_meets_at_the_first_nodes_address(multinode_slurm: sc.LocalCluster):
+    """common.distributed under plain `srun` (no torchrun): rank 0 is on the first node, and every
+    rank reaches it at that node's NodeAddr."""
+    code = ("import os, torch, torch.distributed as dist; from common.distributed import init_distributed; "
+            "info = init_distributed('cpu'); total = torch.tensor([info.rank + 1]); dist.all_reduce(total); "
+            "print(os.environ['SLURMD_NODENAME'], info.launcher, info.rank, info.world_size, "
+            "os.environ['MASTER_ADDR'], total.item()); dist.destroy_process_group()")
+    result = subprocess.run(["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", sys.executable, "-c", code],
+                            env=sc.slurm_env(recipe_env(**multinode_slurm.env)), cwd=REPO, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    head = sc.node_addr("node0", multinode_slurm.env)
+    assert sorted(result.stdout.splitlines()) == [f"node0 slurm 0 2 {head} 3", f"node1 slurm 1 2 {head} 3"]
+
+
 # ---- cluster/launch.sh on two namespaced nodes ------------------------------------------------
 
 def launch_on(cluster: sc.LocalCluster, node: str, args: list[str], log_dir: Path, **env: str) -> subprocess.Popen:

@@ -231,8 +231,6 @@ pick_ports() {
 # Names of what several nodes create, derived from the state dir so that `stop` finds them
 # even when `start` failed half-way: namespaces local-slurm-<tag>-node<i>, the bridge lsb<tag>
 # and the host ends of the veth pairs lsv<tag>-<i> (interface names have at most 15 bytes).
-TAG=""
-BRIDGE=""
 netns_name() { echo "local-slurm-$TAG-node$1"; }
 veth_name() { echo "lsv$TAG-$1"; }
 node_name() { echo "node$1"; }
@@ -245,10 +243,8 @@ node_names() {
     for ((i = 0; i < count; i++)); do node_name "$i"; done
 }
 
-# Root, the tools, and a throwaway namespace in which a veth pair and a bridge can be made.
+# The tools, and a throwaway namespace in which a veth pair and a bridge can be made.
 check_multinode() {
-    [[ $(id -u) -eq 0 ]] ||
-        die "--nodes $NODES needs root (network namespaces, veth pairs, a bridge); --nodes 1 needs root too"
     local b out
     for b in ip nsenter unshare flock hostname; do
         command -v "$b" >/dev/null || die "$b not found (apt-get install iproute2 util-linux hostname)"
@@ -316,12 +312,28 @@ start_node_slurmd() {
     local i=$1 name
     name=$(node_name "$i")
     mkdir -p "$STATE/nodes/$name/scratch" "$STATE/spool/$name"
+    chmod 1777 "$STATE/nodes/$name/scratch"  # like /tmp: any user's jobs write there
     # shellcheck disable=SC2016  # the node's own shell expands its arguments
     nsenter --net="/run/netns/$(netns_name "$i")" unshare --uts --mount --propagation slave -- \
         bash -c 'hostname "$1" && mount --bind "$2" /etc/hosts && mount --bind "$3" "$4" &&
                  exec slurmd -f "$5" -N "$1"' node-setup \
         "$name" "$STATE/hosts" "$STATE/nodes/$name/scratch" "$STATE/scratch" "$CONF" \
         </dev/null >>"$STATE/log/slurmd-$name.stdio" 2>&1
+}
+
+# Nodes talk to each other across the bridge (srun, the rendezvous, gloo), not only to
+# slurmctld. Where br_netfilter passes bridged packets through iptables, a FORWARD policy of
+# DROP (Docker sets one) cuts node-to-node traffic while every node still reaches slurmctld
+# and shows idle: check that node0 reaches every other node's slurmd.
+check_node_links() {
+    local i addr
+    for ((i = 1; i < NODES; i++)); do
+        addr=$SUBNET.$((10 + i))
+        nsenter --net="/run/netns/$(netns_name 0)" timeout 5 bash -c "exec 3<>/dev/tcp/$addr/$D_PORT" 2>/dev/null ||
+            fail_start "node0 cannot reach $(node_name "$i") at $addr:$D_PORT across the bridge $BRIDGE;" \
+                "if a firewall drops forwarded packets (Docker sets iptables' FORWARD policy to DROP)," \
+                "allow the bridge: iptables -I FORWARD -i $BRIDGE -o $BRIDGE -j ACCEPT"
+    done
 }
 
 # End every process left in the namespaces of this state dir (SIGTERM, then SIGKILL), then
@@ -555,6 +567,7 @@ cmd_start() {
     while ((SECONDS - start < timeout)); do
         states=$(node_states)
         if [[ $(grep -c ' idle$' <<<"$states") -eq $NODES ]]; then
+            if ((NODES > 1)); then check_node_links; fi
             log "$NODES node(s) idle after $((SECONDS - start))s: ${NODE_LIST[*]}"
             echo "export SLURM_CONF=$CONF"
             return 0
@@ -569,11 +582,6 @@ cmd_start() {
         fi
         sleep 0.5
     done
-    if ((NODES > 1)) && [[ -e /proc/sys/net/bridge/bridge-nf-call-iptables ]] &&
-        [[ $(</proc/sys/net/bridge/bridge-nf-call-iptables) == 1 ]]; then
-        log "note: br_netfilter passes bridged packets through iptables here; a FORWARD policy of DROP" \
-            "(Docker sets one) keeps the nodes apart: iptables -I FORWARD -i $BRIDGE -o $BRIDGE -j ACCEPT"
-    fi
     fail_start "not all $NODES node(s) idle after ${timeout}s (last states: '$(tr '\n' ' ' <<<"${states:-no answer}")')"
 }
 
@@ -583,7 +591,7 @@ fail_start() {
     set +o errtrace
     tail_logs
     cmd_stop 2>/dev/null || true
-    die "$1; logs in $STATE/log"
+    die "$*; logs in $STATE/log"
 }
 
 cmd_stop() {
