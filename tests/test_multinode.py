@@ -68,8 +68,9 @@ def submit(cluster: sc.LocalCluster, tmp: Path, name: str, nodes: int, overrides
 
 
 def wait_until(condition: Callable[[], object], what: str, job: Job, env: dict[str, str],
-               timeout_s: float = 240) -> object:
-    """Poll ``condition`` until it returns something true; fail if the job ends first or time runs out."""
+               timeout_s: float = SCENARIO_DEADLINE_S) -> object:
+    """Poll ``condition`` until it returns something true; fail if the job ends first or time runs out
+    (the deadline includes time in the queue: the scenarios share two nodes of two CPUs)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
@@ -182,6 +183,18 @@ def test_stop_removes_everything_also_after_a_failed_start(multinode_slurm: sc.L
     assert _leftovers(state, pids, mount_namespaces) == []
 
 
+def test_without_namespace_capabilities_start_stops_first_with_one_line(tmp_path: Path):
+    sc.require_slurm_or_skip()
+    drop = ["setpriv", "--bounding-set=-sys_admin,-net_admin"]  # root, but as in an unprivileged container
+    result = subprocess.run([*drop, "bash", str(sc.SCRIPT), "start", "--nodes", "2", str(tmp_path / "c")],
+                            capture_output=True, text=True, env=sc.script_env(), timeout=60)
+    assert result.returncode == 1
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("local_cluster.sh: error: cannot create network namespaces"), result.stderr
+    assert "CAP_SYS_ADMIN and CAP_NET_ADMIN" in result.stderr
+    assert list((tmp_path / "c").iterdir()) == []  # checked before anything was made
+
+
 # ---- the SLURM scenarios, side by side -------------------------------------------------------
 
 def alone_preempted_and_single_node(cluster: sc.LocalCluster, tmp: Path, data: Path) -> dict:
@@ -245,16 +258,19 @@ def resized_and_node_killed(cluster: sc.LocalCluster, tmp: Path, data: Path) -> 
     overrides = [f"data.root={data}", *TRAIN, "checkpoint.keep_last=1000"]
     checkpoints = tmp / "resized" / "checkpoints"
     first = submit(cluster, tmp, "resized", 1, overrides)
-    wait_until(lambda: latest_step(checkpoints) >= 3, "a checkpoint at step 3", first, cluster.env)
-    sc.signal_batch(first.id, "USR1", env=cluster.env)
-    wait_until(lambda: sc.job_restart_count(first.id, cluster.env) == 1, "the requeue", first, cluster.env)
-    sc.update_job(first.id, cluster.env, NumNodes="2-2")
-    resumed_at = wait_until(lambda: re.findall(r"resumed from \S+ \(step (\d+), ", first.output()),
-                            "the resume on 2 nodes", first, cluster.env)
-    resumed_at = int(resumed_at[0])
-    wait_until(lambda: latest_step(checkpoints) >= resumed_at + 3, "3 steps on 2 nodes", first, cluster.env)
-    killed_node = kill_node_running_rank(first.id, 0)
-    first_state = sc.wait_for_job(first.id, timeout_s=180, env=cluster.env)
+    try:
+        wait_until(lambda: latest_step(checkpoints) >= 3, "a checkpoint at step 3", first, cluster.env)
+        sc.signal_batch(first.id, "USR1", env=cluster.env)
+        wait_until(lambda: sc.job_restart_count(first.id, cluster.env) == 1, "the requeue", first, cluster.env)
+        sc.update_job(first.id, cluster.env, NumNodes="2-2")  # within the 5 s the requeued job waits
+        resumed_at = wait_until(lambda: re.findall(r"resumed from \S+ \(step (\d+), ", first.output()),
+                                "the resume on 2 nodes", first, cluster.env)
+        resumed_at = int(resumed_at[0])
+        wait_until(lambda: latest_step(checkpoints) >= resumed_at + 3, "3 steps on 2 nodes", first, cluster.env)
+        killed_node = kill_node_running_rank(first.id, 0)
+        first_state = sc.wait_for_job(first.id, timeout_s=180, env=cluster.env)
+    finally:
+        sc.cancel(first.id, cluster.env)  # a no-op when it has ended; frees the nodes when it has not
     complete_after_kill = [p["step"] for p in sampler_positions(checkpoints)]
     second = submit(cluster, tmp, "resized-again", 1, overrides, run_dir=tmp / "resized")
     second_state = sc.wait_for_job(second.id, timeout_s=SCENARIO_DEADLINE_S, env=cluster.env)
