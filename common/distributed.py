@@ -9,6 +9,7 @@ one node do not collide. With neither, the run is a single process and no group 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -37,17 +38,23 @@ class DistInfo:
         return self.world_size > 1
 
 
+def _scontrol(*args: str) -> str:
+    """``scontrol``'s output, or "" when it is missing or fails."""
+    try:
+        return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
 def _slurm_master_addr() -> str:
+    """The job's first node, by the address SLURM itself reaches it at (its NodeAddr): a node's
+    name may resolve on some nodes only, or to another interface than the one SLURM uses."""
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
     if nodelist:
-        try:
-            out = subprocess.run(
-                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
-            ).stdout.split()
-            if out:
-                return out[0]
-        except (OSError, subprocess.CalledProcessError):
-            pass
+        hosts = _scontrol("show", "hostnames", nodelist).split()
+        if hosts:
+            node_addr = re.search(r"\bNodeAddr=(\S+)", _scontrol("show", "node", "-o", hosts[0]))
+            return node_addr.group(1) if node_addr else hosts[0]
     return os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cluster.processes import kill_tree
-from common.checkpoint import committed_checkpoints, latest_checkpoint
+from common.checkpoint import STATE_FILE, committed_checkpoints, latest_checkpoint
 from common.distributed import free_port  # noqa: F401  (tests import it from here)
 from tests import slurm_cluster as sc
 from tools.tiny_data import write_fashion_mnist
@@ -81,6 +81,21 @@ def checkpoint_of_step(checkpoint_dir: Path, step: int) -> Path:
     return found[-1]
 
 
+def sampler_positions(checkpoint_dir: Path) -> list[dict[str, int]]:
+    """The sampler state recorded in the committed checkpoints of ``checkpoint_dir``, one per step
+    (a step saved twice, at an epoch's end and again with its evaluation, by its newer save):
+    ``{"step", "epoch", "consumed", "world_size", ...}``. ``consumed`` counts the positions of the
+    epoch's global order done by all ranks together, so a chain of these shows which samples each
+    step took. Uncommitted checkpoints are not listed."""
+    import torch
+
+    by_step = {}
+    for found in committed_checkpoints(checkpoint_dir):
+        state = torch.load(found.path / STATE_FILE, map_location="cpu", weights_only=True)
+        by_step[found.step] = {"step": found.step, **state["sampler"]}
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def wait_for_step(checkpoint_dir: Path, step: int, process: subprocess.Popen, timeout: float = 120) -> int:
     """Poll until a checkpoint at ``step`` or later exists; fail if the run ended first."""
     deadline = time.monotonic() + timeout
@@ -121,3 +136,15 @@ def slurm_env(tmp_path_factory: pytest.TempPathFactory):
     sc.require_slurm_or_skip()
     with sc.running_local_slurm(tmp_path_factory.mktemp("slurm")) as env:
         yield env
+
+
+@pytest.fixture(scope="session")
+def multinode_slurm(tmp_path_factory: pytest.TempPathFactory):
+    """A real two-node local SLURM for the whole session, each slurmd in its own network, UTS and
+    mount namespace (skipped where namespaces are not permitted, failed under REQUIRE_MULTINODE=1)."""
+    sc.require_multinode_or_skip(nodes=2)
+    state = tmp_path_factory.mktemp("slurm2")
+    # A requeued job may start again after 5 s (the script's default is 10 s).
+    with sc.running_local_slurm(state, nodes=2, extra_env={"LOCAL_SLURM_REQUEUE_DELAY": "5"}) as env:
+        yield sc.LocalCluster(env=env, state_dir=state, nodes=("node0", "node1"))
+

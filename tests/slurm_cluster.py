@@ -1,8 +1,9 @@
-"""Start a real one-node SLURM cluster for tests, and talk to it.
+"""Start a real local SLURM cluster for tests (one node, or several in namespaces), and talk to it.
 
-This is a helper module, not a test module. The session fixture ``slurm_env`` in
-``tests/conftest.py`` starts one cluster with ``running_local_slurm``; tests take
-that fixture and call ``sc.sbatch(...)`` and ``sc.wait_for_job(...)``.
+This is a helper module, not a test module. The session fixtures ``slurm_env``
+(one node) and ``multinode_slurm`` (two nodes) in ``tests/conftest.py`` start
+the clusters with ``running_local_slurm``; tests take a fixture and call
+``sc.sbatch(...)`` and ``sc.wait_for_job(...)``.
 
 The cluster comes from ``cluster/slurm/local_cluster.sh`` (Debian's
 ``slurm-wlm`` and ``munge``, run as root). It has no accounting storage, so job
@@ -10,7 +11,9 @@ states are read with ``scontrol show job`` (the script sets MinJobAge=3600, so
 finished jobs stay visible); ``sacct`` is used only if it works.
 
 Policy: without SLURM the tests are skipped, unless ``REQUIRE_SLURM=1`` (set in
-CI), where a missing SLURM is a failure.
+CI), where a missing SLURM is a failure. The same holds for the several-node
+cluster, which also needs network and UTS namespaces: skipped where they are not
+permitted, a failure with ``REQUIRE_MULTINODE=1`` (set in CI).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +60,19 @@ class SlurmError(RuntimeError):
     """A SLURM command or the local cluster script failed."""
 
 
+@dataclass(frozen=True)
+class LocalCluster:
+    """A running local cluster: its client environment, state directory and node names."""
+
+    env: dict[str, str]
+    state_dir: Path
+    nodes: tuple[str, ...]
+
+    def scratch(self, node: str) -> Path:
+        """``node``'s own scratch folder (its TMPDIR, seen at one path on every node), from this host."""
+        return self.state_dir / "nodes" / node / "scratch"
+
+
 def slurm_available() -> tuple[bool, str]:
     """Whether a local cluster can be started here; the reason when it cannot."""
     missing = [
@@ -87,17 +104,45 @@ def require_slurm_or_skip() -> None:
     pytest.skip(reason)
 
 
-def _script_env() -> dict[str, str]:
+def multinode_available(nodes: int = 2) -> tuple[bool, str]:
+    """Whether this machine permits a local cluster of ``nodes`` nodes (root, network and UTS
+    namespaces, veth pairs, a bridge: ``local_cluster.sh check``); the reason when it does not."""
+    proc = subprocess.run(["bash", str(SCRIPT), "check", "--nodes", str(nodes)], capture_output=True, text=True,
+                          env=script_env(), stdin=subprocess.DEVNULL, timeout=60)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        return False, lines[-1] if lines else f"local_cluster.sh check failed (exit {proc.returncode})"
+    return True, ""
+
+
+def require_multinode_or_skip(nodes: int = 2) -> None:
+    """Skip without SLURM or namespaces; fail instead under REQUIRE_SLURM=1 or REQUIRE_MULTINODE=1."""
+    import pytest
+
+    require_slurm_or_skip()
+    ok, reason = multinode_available(nodes)
+    if ok:
+        return
+    if os.environ.get("REQUIRE_MULTINODE") == "1":
+        pytest.fail(f"REQUIRE_MULTINODE=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def script_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment local_cluster.sh runs in: this one, the daemons' folders on PATH, plus ``extra``."""
     env = dict(os.environ)
     env["PATH"] = _SEARCH_PATH
     # A SLURM_CONF from the caller must not leak into the script's own checks.
     env.pop("SLURM_CONF", None)
+    env.update(extra or {})
     return env
 
 
-def start_local_slurm(state_dir: Path, timeout_s: float = 120) -> dict[str, str]:
-    """Start (or reuse) the cluster whose files live in ``state_dir``.
+def start_local_slurm(state_dir: Path, timeout_s: float = 120, nodes: int = 1,
+                      extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Start (or reuse) the cluster of ``nodes`` nodes whose files live in ``state_dir``.
 
+    ``extra_env`` adds variables for the script (e.g. LOCAL_SLURM_REQUEUE_DELAY).
     Returns the environment variables a client needs (``SLURM_CONF``).
     Raises SlurmError with the script's output (which includes the last log
     lines) when the cluster does not come up.
@@ -105,10 +150,10 @@ def start_local_slurm(state_dir: Path, timeout_s: float = 120) -> dict[str, str]
     state_dir = Path(state_dir)
     try:
         proc = subprocess.run(
-            ["bash", str(SCRIPT), "start", str(state_dir)],
+            ["bash", str(SCRIPT), "start", "--nodes", str(nodes), str(state_dir)],
             capture_output=True,
             text=True,
-            env=_script_env(),
+            env=script_env(extra_env),
             timeout=timeout_s,
             stdin=subprocess.DEVNULL,
         )
@@ -137,7 +182,7 @@ def stop_local_slurm(state_dir: Path, timeout_s: float = 120) -> None:
         ["bash", str(SCRIPT), "stop", str(state_dir)],
         capture_output=True,
         text=True,
-        env=_script_env(),
+        env=script_env(),
         timeout=timeout_s,
         stdin=subprocess.DEVNULL,
     )
@@ -149,12 +194,42 @@ def stop_local_slurm(state_dir: Path, timeout_s: float = 120) -> None:
 
 
 @contextlib.contextmanager
-def running_local_slurm(state_dir: Path) -> Iterator[dict[str, str]]:
+def running_local_slurm(state_dir: Path, nodes: int = 1,
+                        extra_env: Mapping[str, str] | None = None) -> Iterator[dict[str, str]]:
     """Context manager: start the cluster, yield its env, always stop it."""
     try:
-        yield start_local_slurm(state_dir)
+        yield start_local_slurm(state_dir, nodes=nodes, extra_env=extra_env)
     finally:
         stop_local_slurm(state_dir)
+
+
+def on_node(state_dir: Path, node: str, command: Sequence[str], env: Mapping[str, str] | None = None,
+            cwd: Path | str | None = None) -> subprocess.Popen:
+    """Start ``command`` on one node of a several-node cluster (``local_cluster.sh exec``): in that
+    node's namespaces, so it has the node's hostname, address, /etc/hosts and TMPDIR."""
+    return subprocess.Popen(["bash", str(SCRIPT), "exec", str(state_dir), node, *command], cwd=cwd,
+                            env=slurm_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+
+
+def node_addr(node: str, env: Mapping[str, str] | None = None) -> str:
+    """The address SLURM reaches ``node`` at (its NodeAddr)."""
+    line = _run(["scontrol", "show", "node", "-o", node], env=env).stdout
+    found = re.search(r"\bNodeAddr=(\S+)", line)
+    if not found:
+        raise SlurmError(f"scontrol shows no NodeAddr for {node}: {line!r}")
+    return found.group(1)
+
+
+def node_states(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Every node's state as sinfo shows it, e.g. {"node0": "idle"}."""
+    out = _run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env).stdout
+    return dict(line.split() for line in out.splitlines() if line.strip())
+
+
+def update_job(job_id: str, env: Mapping[str, str] | None = None, **fields: str) -> None:
+    """``scontrol update JobId=<id> Field=value ...`` (e.g. NumNodes="1-1", TimeLimit="10")."""
+    _run(["scontrol", "update", f"JobId={job_id}", *(f"{key}={value}" for key, value in fields.items())], env=env)
 
 
 def slurm_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

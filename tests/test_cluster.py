@@ -231,13 +231,6 @@ def test_every_recipe_has_an_sbatch_file_that_runs_it():
             assert f"#SBATCH {option}" in text, (recipe, option)
 
 
-def test_multinode_sbatch_uses_the_head_node_for_c10d_rendezvous():
-    text = (REPO / "cluster" / "slurm" / "multinode.sbatch").read_text()
-    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in text
-    assert "srun" in text and '--nnodes "$SLURM_NNODES"' in text
-    assert '--rdzv-backend c10d --rdzv-endpoint "$head_node:$port"' in text
-
-
 def test_hydra_slurm_launcher_requeues_and_keeps_run_dirs_deterministic():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -28,17 +29,20 @@ def test_torchrun_variables_win(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_srun_without_torchrun_uses_slurm_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_NODELIST",
-                "SLURM_NODELIST"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("SLURM_PROCID", "5")
-    monkeypatch.setenv("SLURM_NTASKS", "8")
-    monkeypatch.setenv("SLURM_LOCALID", "1")
-    monkeypatch.setenv("SLURM_JOB_ID", "1234")
-    monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3")
-    assert distributed._launch_env() == (5, 8, 1, "slurm")
-    assert os.environ["MASTER_ADDR"] == "10.1.2.3"
-    assert os.environ["MASTER_PORT"] == str(20000 + 1234)
+    # _launch_env sets MASTER_ADDR and MASTER_PORT itself; patch.dict removes them afterwards, which
+    # monkeypatch.delenv does not do for a variable that was not set before the test.
+    with mock.patch.dict(os.environ):
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_NODELIST",
+                    "SLURM_NODELIST"):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv("SLURM_PROCID", "5")
+        monkeypatch.setenv("SLURM_NTASKS", "8")
+        monkeypatch.setenv("SLURM_LOCALID", "1")
+        monkeypatch.setenv("SLURM_JOB_ID", "1234")
+        monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3")
+        assert distributed._launch_env() == (5, 8, 1, "slurm")
+        assert os.environ["MASTER_ADDR"] == "10.1.2.3"
+        assert os.environ["MASTER_PORT"] == str(20000 + 1234)
 
 
 def test_neither_means_one_process(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,6 +48,10 @@ on_stop_signal() {
     fi
 }
 
+# Armed as soon as this file is sourced: a USR1 that came before the trap would kill the script.
+trap 'on_stop_signal USR1' USR1
+trap 'on_stop_signal TERM' TERM
+
 # Run a command once on every node of the job (directly when there is one node).
 on_each_node() {
     if [[ ${SLURM_NNODES:-1} -gt 1 ]]; then
@@ -64,8 +68,6 @@ on_each_node() {
 #   PYTHON         the interpreter (default: <repo>/.venv/bin/python, else python3)
 #   NPROC_PER_NODE processes per node (default: the GPUs SLURM gave the node, else 1)
 slurm_job_setup() {
-    trap 'on_stop_signal USR1' USR1
-    trap 'on_stop_signal TERM' TERM
     RECIPE=$1
     local data_root=$2 arg name=""
     shift 2
@@ -98,7 +100,8 @@ slurm_job_setup() {
         [[ -e $data_root ]] || die "data root $data_root does not exist (run 'make prep-$RECIPE' first)"
         STAGED_DIR=${STAGE_DIR:-${TMPDIR:-/tmp}}/recipes-${USER:-user}-${SLURM_JOB_ID:-$$}
         log "staging $data_root to node-local $STAGED_DIR on ${SLURM_NNODES:-1} node(s)"
-        on_each_node "mkdir -p '$STAGED_DIR' && cp -a '$(realpath "$data_root")/.' '$STAGED_DIR/'" ||
+        on_each_node "mkdir -p '$STAGED_DIR' && cp -a '$(realpath "$data_root")/.' '$STAGED_DIR/' &&
+            echo \"staged \$(du -sh '$STAGED_DIR' | cut -f1) on \$(hostname)\"" ||
             die "staging $data_root to $STAGED_DIR failed"
         data_root=$STAGED_DIR
     fi
@@ -115,7 +118,8 @@ slurm_job_setup() {
 
 remove_staged_data() {
     if [[ -n $STAGED_DIR ]]; then
-        on_each_node "rm -rf '$STAGED_DIR'" || log "could not remove $STAGED_DIR"
+        on_each_node "rm -rf '$STAGED_DIR' && echo \"removed $STAGED_DIR on \$(hostname)\"" ||
+            log "could not remove $STAGED_DIR"
         STAGED_DIR=""
     fi
 }
