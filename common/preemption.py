@@ -4,6 +4,12 @@ SLURM sends SIGUSR1 (``--signal``) or SIGTERM before pre-emption or the time lim
 and Kubernetes send SIGTERM. The handler only sets a flag; the training loop finishes its
 step, writes a checkpoint and exits with :data:`common.errors.EXIT_PREEMPTED`.
 
+A launcher running in this process may have its own handler for such a signal: submitit (the
+Hydra SLURM launcher) requeues the job on SIGUSR2 and raises ``SystemExit`` wherever the
+program happens to be, for instance inside ``torch.save``, which turns it into a failed save
+and a failed job. Such a handler is displaced too, and handed the signal once the checkpoint
+is written (:meth:`StopFlag.hand_over`): the job then requeues from a complete checkpoint.
+
 Every rank must take the same decision at the same step, or a collective would hang. Step
 cadence is the same everywhere by construction; the wall clock and signals are local, so
 every ``sync_every_steps`` steps the ranks agree with one tiny all-reduce (MAX) of a host
@@ -25,6 +31,8 @@ import torch.distributed as dist
 from common.errors import Preempted
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Taken over only when some Python code already handles it (submitit's requeue signal by default).
+LAUNCHER_SIGNALS = (signal.SIGUSR2,)
 
 
 @dataclass(frozen=True)
@@ -34,20 +42,32 @@ class Decision:
 
 
 class StopFlag:
-    """Records the first SIGTERM/SIGUSR1 instead of dying, so the step can finish."""
+    """Records the first SIGTERM/SIGUSR1 (or a launcher's signal) instead of dying, so the step
+    can finish and be checkpointed."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self._received: int | None = None
         self._previous = {}
-        for signum in STOP_SIGNALS:
+        claimed = [signum for signum in LAUNCHER_SIGNALS if callable(signal.getsignal(signum))]
+        for signum in (*STOP_SIGNALS, *claimed):
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
+        if self._received is None:
+            self._received = signum
         self.signal_name = signal.Signals(signum).name
 
     @property
     def raised(self) -> bool:
         return self.signal_name is not None
+
+    def hand_over(self) -> None:
+        """Call the Python handler the first signal displaced, if any (submitit's requeue, which
+        exits). For after the checkpoint: nothing of the run is lost whatever that handler does."""
+        previous = self._previous.get(self._received) if self._received is not None else None
+        if callable(previous):
+            previous(self._received, None)
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():
@@ -86,12 +106,14 @@ class CheckpointCadence:
         return cls(cfg.every_steps, cfg.every_seconds, cfg.sync_every_steps, StopFlag())
 
     def preempted(self, step: int) -> Preempted:
-        """The exception a recipe raises once the checkpoint for a stop decision is written."""
+        """The exception a recipe raises once the checkpoint for a stop decision is written. A
+        launcher's handler the signal displaced gets it first (submitit requeues and exits there)."""
+        self.stop_flag.hand_over()
         received = self.stop_flag.signal_name or "a stop signal on another rank"
         return Preempted(f"received {received}: checkpoint saved at step {step}")
 
     def close(self) -> None:
-        """Give SIGTERM/SIGUSR1 back their previous handlers."""
+        """Give the signals back to the handlers they had before."""
         self.stop_flag.restore()
 
     def saved(self) -> None:
