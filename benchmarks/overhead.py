@@ -31,7 +31,7 @@ from benchmarks.results import Result
 from common.data import seeded_generator
 from common.determinism import configure_determinism
 from common.distributed import init_distributed
-from common.entry import validate_overrides
+from common.entry import compose_config
 from common.loggers import RunLogger
 from common.metrics import SumMetrics
 from common.optim import param_groups, warmup_cosine
@@ -104,7 +104,7 @@ def measure(device_name: str, pairs: int, batch_size: int, workdir: Path) -> dic
     """Milliseconds per step of interleaved recipe and bare segments, by wall clock and CPU time."""
     steps = WARMUP_STEPS + pairs * SEGMENT + 1
     data = write_fashion_mnist(workdir / "data", n_train=(steps + 2) * batch_size, n_test=batch_size)
-    cfg = validate_overrides("fashion_mnist", [
+    cfg = compose_config("fashion_mnist", [
         f"data.root={data}", f"run_dir={workdir / 'run'}", f"device={device_name}", "trainer.epochs=1",
         f"trainer.batch_size={batch_size}",
         f"trainer.max_steps={steps}", f"trainer.log_every_steps={SEGMENT}", "checkpoint.every_steps=0",

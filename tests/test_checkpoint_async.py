@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import common.checkpoint as checkpoint_module
-from common.checkpoint import CheckpointManager, HostStaging, checkpoint_dirs, latest_name
+from common.checkpoint import CheckpointManager, CheckpointWriteError, HostSnapshot, checkpoint_dirs, latest_name
 from tests.conftest import REPO
 
 KILLED_MID_WRITE = textwrap.dedent(
@@ -166,19 +166,22 @@ def test_a_failed_background_write_is_reported_and_the_previous_checkpoint_stays
 
     monkeypatch.setattr(checkpoint_module.torch, "save", disk_full)
     manager.save(2, {"weights": torch.full((10,), 2.0)})
-    with pytest.raises(RuntimeError, match="background checkpoint save failed: .*No space left"):
+    expected = (f"could not write a checkpoint to {tmp_path}: No space left on device "
+                r"\(a checkpoint needs about 40 B, [\d.]+ [kMGT]?B free there\)")
+    with pytest.raises(CheckpointWriteError, match=expected):
         manager.wait()
     monkeypatch.undo()
+    assert not list(tmp_path.glob(".tmp-*")), "the partial checkpoint was left behind"
     assert CheckpointManager(tmp_path).load_latest().step == 1
 
 
-def test_staging_buffers_are_reused_and_hold_copies() -> None:
+def test_snapshot_buffers_are_reused_and_hold_copies() -> None:
     weights = torch.randn(64, 3, 3, 3).contiguous(memory_format=torch.channels_last)
-    staging = HostStaging()
-    first = staging.snapshot({"w": weights, "rng": (3, (1, 2), None)})
+    snapshots = HostSnapshot()
+    first = snapshots.snapshot({"w": weights, "rng": (3, (1, 2), None)})
     weights.add_(1.0)
     assert not torch.equal(first["w"], weights)
-    second = staging.snapshot({"w": weights, "rng": (3, (1, 2), None)})
+    second = snapshots.snapshot({"w": weights, "rng": (3, (1, 2), None)})
     assert second["w"].data_ptr() == first["w"].data_ptr(), "the second snapshot should refill the same buffer"
     assert torch.equal(second["w"], weights)
     assert second["w"].is_contiguous(memory_format=torch.channels_last)

@@ -16,12 +16,11 @@ import torch
 
 from common.cifar100 import read_pickle
 from common.data import seeded_generator
-from common.entry import validate_overrides
+from common.entry import compose_config
 from common.errors import UserError
 from common.optim import warmup_multistep
 from data_prep import cifar100_resnet50 as prep
 from data_prep.files import file_digest
-from recipes.cifar100_resnet50 import config as _schema  # noqa: F401  (registers the schema)
 from recipes.cifar100_resnet50.config import DataConfig, ModelConfig
 from recipes.cifar100_resnet50.data import TrainAugmentation, crop_and_flip, load_split, random_erase, rotate
 from recipes.cifar100_resnet50.model import build_model
@@ -196,7 +195,7 @@ def test_training_augmentation_depends_only_on_its_keys_and_leaves_global_rngs_a
 
 
 def test_cifar_stem_keeps_full_resolution() -> None:
-    cfg = validate_overrides(RECIPE, ["model.name=test_resnet"])
+    cfg = compose_config(RECIPE, ["model.name=test_resnet"])
     model = build_model(cfg.model)
     assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
     assert isinstance(model.maxpool, torch.nn.Identity)
@@ -205,7 +204,7 @@ def test_cifar_stem_keeps_full_resolution() -> None:
 
 @pytest.mark.parametrize("preset", [None, "cifar100_reference", "cifar100_strong"])
 def test_preset_composes_and_its_resnet50_builds(preset: str | None) -> None:
-    cfg = validate_overrides(RECIPE, [f"+experiment={preset}"] if preset else [])
+    cfg = compose_config(RECIPE, [f"+experiment={preset}"] if preset else [])
     model = build_model(cfg.model)
     # The reference table lists 23.7M parameters for its CIFAR ResNet-50.
     assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == 23.7

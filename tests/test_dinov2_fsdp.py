@@ -255,11 +255,11 @@ def test_eval_batches_count_every_sample_once_with_equal_batches_per_rank(num_sa
 )
 def test_settings_the_recipe_cannot_honour_are_refused(tmp_path: Path, override: str, message: str) -> None:
     from common.distributed import DistInfo
-    from common.entry import validate_overrides
+    from common.entry import compose_config
     from common.errors import UserError
     from recipes.dinov2_fsdp.train import check_settings
 
-    cfg = validate_overrides(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", override])
+    cfg = compose_config(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", override])
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")
     with pytest.raises(UserError, match=re.escape(message)):
         check_settings(cfg, cpu)

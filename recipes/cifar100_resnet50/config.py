@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from hydra.core.config_store import ConfigStore
-
 from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
 
 
@@ -72,5 +70,3 @@ class Cifar100ResNet50Config(RunConfig):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-
-ConfigStore.instance().store(name="cifar100_resnet50_schema", node=Cifar100ResNet50Config)

@@ -34,7 +34,7 @@ from common.precision import autocast, grad_scaler
 from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
 from common.summary import where_outputs_are, write_summary
-from recipes.cifar100_resnet50 import config as _schema  # noqa: F401  (registers the schema)
+from recipes.cifar100_resnet50.config import Cifar100ResNet50Config
 from recipes.cifar100_resnet50.data import TrainAugmentation, load_split, normalize
 from recipes.cifar100_resnet50.model import build_model
 
@@ -66,7 +66,7 @@ def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
             f"{prefix}/top5": ratio(totals, "correct_top5", "count")}
 
 
-@recipe_main("cifar100_resnet50")
+@recipe_main(Cifar100ResNet50Config)
 def main(cfg: DictConfig) -> None:
     configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
     dist_info = init_distributed(cfg.device)

@@ -45,7 +45,7 @@ from common.precision import autocast
 from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
 from common.summary import where_outputs_are, write_summary
-from recipes.dinov2_fsdp import config as _schema  # noqa: F401  (registers the schema)
+from recipes.dinov2_fsdp.config import DinoV2FSDPConfig
 from recipes.dinov2_fsdp.data import augment, to_model_input
 from recipes.dinov2_fsdp.model import build_model, refresh_mixed_precision, shard_with_fsdp
 
@@ -115,7 +115,7 @@ def load_optimizer_shards(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-@recipe_main("dinov2_fsdp")
+@recipe_main(DinoV2FSDPConfig)
 def main(cfg: DictConfig) -> None:
     configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
     dist_info = init_distributed(cfg.device, cpu_collectives=cfg.fsdp.cpu_offload,

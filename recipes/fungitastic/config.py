@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from hydra.core.config_store import ConfigStore
-
 from common.config import CheckpointConfig, Decode, LoggingConfig, RunConfig, TrainerConfig
 
 DEFAULT_RANKS = ["species", "genus", "family", "order", "class", "phylum"]
@@ -75,5 +73,3 @@ class FungiTasticConfig(RunConfig):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-
-ConfigStore.instance().store(name="fungitastic_schema", node=FungiTasticConfig)

@@ -39,8 +39,8 @@ from common.precision import autocast, grad_scaler
 from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
 from common.summary import where_outputs_are, write_summary
-from recipes.fungitastic import config as _schema  # noqa: F401  (registers the schema)
 from recipes.fungitastic import metadata
+from recipes.fungitastic.config import FungiTasticConfig
 from recipes.fungitastic.data import Split, load_split, train_augmentation
 from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
 from recipes.fungitastic.model import build_model, load_pretrained, optimizer_groups
@@ -116,7 +116,7 @@ def eval_loader(split: Split, cfg: DictConfig, dist_info: DistInfo, pin_memory: 
                        generator=torch.Generator())
 
 
-@recipe_main("fungitastic")
+@recipe_main(FungiTasticConfig)
 def main(cfg: DictConfig) -> None:
     configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
     dist_info = init_distributed(cfg.device)

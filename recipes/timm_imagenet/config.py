@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-
 from common.config import CheckpointConfig, Decode, LoggingConfig, RunConfig, TrainerConfig
 
 
@@ -111,5 +109,3 @@ class TimmImageNetConfig(RunConfig):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-
-ConfigStore.instance().store(name="timm_imagenet_schema", node=TimmImageNetConfig)

@@ -51,7 +51,7 @@ from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
 from common.staging import stage_directory
 from common.summary import where_outputs_are, write_summary
-from recipes.timm_imagenet import config as _schema  # noqa: F401  (registers the schema)
+from recipes.timm_imagenet.config import TimmImageNetConfig
 from recipes.timm_imagenet.data import (
     check_layout,
     describe,
@@ -116,7 +116,7 @@ def make_criterion(cfg: DictConfig, mixing: bool) -> torch.nn.Module:
     return torch.nn.CrossEntropyLoss()
 
 
-@recipe_main("timm_imagenet")
+@recipe_main(TimmImageNetConfig)
 def main(cfg: DictConfig) -> None:
     configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
     dist_info = init_distributed(cfg.device)

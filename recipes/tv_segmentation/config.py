@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from hydra.core.config_store import ConfigStore
-
 from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
 
 
@@ -61,5 +59,3 @@ class TvSegmentationConfig(RunConfig):
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-
-ConfigStore.instance().store(name="tv_segmentation_schema", node=TvSegmentationConfig)

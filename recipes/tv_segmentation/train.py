@@ -33,7 +33,7 @@ from common.precision import autocast, grad_scaler
 from common.preemption import CheckpointCadence
 from common.sampler import ResumableDistributedSampler
 from common.summary import where_outputs_are, write_summary
-from recipes.tv_segmentation import config as _schema  # noqa: F401  (registers the schema)
+from recipes.tv_segmentation.config import TvSegmentationConfig
 from recipes.tv_segmentation.data import (
     MEAN,
     STD,
@@ -76,7 +76,7 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, normalize: Normalize, c
     return metrics
 
 
-@recipe_main("tv_segmentation")
+@recipe_main(TvSegmentationConfig)
 def main(cfg: DictConfig) -> None:
     configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
     dist_info = init_distributed(cfg.device)
