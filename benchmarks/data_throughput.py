@@ -33,8 +33,10 @@ from PIL import Image
 from torch.utils.data import default_collate
 
 from benchmarks.results import Result
-from common.data import PerSampleSeeded, seeded_generator
+from common.data import PerSampleSeeded
 from common.entry import compose_config
+from common.image_batches import random_crop_and_flip
+from common.rng import seeded_generator
 from recipes.tv_segmentation.coco import voc_palette
 from tools.tiny_data import photo, write_cifar100_tarball, write_fashion_mnist
 
@@ -82,7 +84,7 @@ def worker_batches(dataset, batch_size: int, seed: int, collate=default_collate)
 
 
 def fashion_mnist(workdir: Path) -> Pipeline:
-    from recipes.fashion_mnist.data import augment, load_split, normalize
+    from recipes.fashion_mnist.data import BLACK, load_split, normalize
     from recipes.fashion_mnist.model import build_model
 
     cfg = compose_config("fashion_mnist", [f"data.root={write_fashion_mnist(workdir / 'fm', n_train=4096, n_test=16)}"])
@@ -91,8 +93,8 @@ def fashion_mnist(workdir: Path) -> Pipeline:
 
     def batch(n: int) -> torch.Tensor:
         indices = torch.randint(0, len(images), (size,), generator=seeded_generator(images.device, 0, n))
-        return augment(normalize(images[indices]), cfg.data.random_crop_padding, cfg.data.horizontal_flip,
-                       seeded_generator(images.device, 1, n))
+        return random_crop_and_flip(normalize(images[indices]), cfg.data.random_crop_padding,
+                                    cfg.data.horizontal_flip, seeded_generator(images.device, 1, n), fill=BLACK)
 
     return Pipeline(size, batch, build_model(cfg.model), torch.randn(size, 1, 28, 28), False)
 
