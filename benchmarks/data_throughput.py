@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 from benchmarks.results import Result
 from common.data import PerSampleSeeded
 from common.entry import compose_config
-from common.image_batches import random_crop_and_flip
+from common.image_batches import Normalize, random_crop_and_flip
 from common.rng import seeded_generator
 from recipes.tv_segmentation.coco import voc_palette
 from tools.tiny_data import photo, write_cifar100_tarball, write_fashion_mnist
@@ -102,7 +102,7 @@ def fashion_mnist(workdir: Path) -> Pipeline:
 def cifar100_resnet50(workdir: Path) -> Pipeline:
     import tarfile
 
-    from recipes.cifar100_resnet50.data import TrainAugmentation, load_split
+    from recipes.cifar100_resnet50.data import MEAN, STD, TrainAugmentation, load_split
     from recipes.cifar100_resnet50.model import build_model
 
     root = workdir / "cifar100"
@@ -110,7 +110,8 @@ def cifar100_resnet50(workdir: Path) -> Pipeline:
         tar.extractall(root, filter="data")
     cfg = compose_config("cifar100_resnet50", [f"data.root={root}"])
     images, labels = load_split(root, "train")
-    augmentation = TrainAugmentation(cfg.data, cfg.optim.label_smoothing)
+    augmentation = TrainAugmentation(cfg.data, cfg.mixup, cfg.optim.label_smoothing,
+                                     Normalize(MEAN, STD, images.device, input_max=1))
     size = cfg.trainer.batch_size
 
     def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
