@@ -1,8 +1,8 @@
 """Checkpoint stall: how long a checkpoint of ResNet-50 + SGD momentum blocks the training loop.
 
 Three ways to save the same state into ``runs/benchmarks/``, where checkpoints normally go
-(``common.train_state.capture`` of a torchvision ResNet-50
-after one SGD step with momentum, so every momentum buffer exists):
+(what ``common.run.TrainingRun`` saves of a torchvision
+ResNet-50 after one SGD step with momentum, so every momentum buffer exists):
 
 * plain ``torch.save`` to a file: no fsync, no digest, not atomic (the baseline of the issue);
 * ``CheckpointManager`` synchronous: write, sha256, fsync, manifest, atomic rename, prune;
@@ -20,14 +20,16 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torchvision
 
 from benchmarks.results import Result
-from common import train_state
 from common.checkpoint import CheckpointManager
+from common.rng import rng_state
+from common.run import Progress
 
 BENCHMARK = "checkpoint stall (ResNet-50 + SGD momentum)"
 RUNS = Path(__file__).resolve().parents[1] / "runs" / "benchmarks"  # the file system real checkpoints go to
@@ -42,7 +44,8 @@ def resnet50_training_state(device: torch.device) -> dict:
     model(torch.randn(2, 3, 64, 64, device=device)).sum().backward()
     optimizer.step()
     scheduler.step()
-    return train_state.capture(model, optimizer, scheduler, None, None, train_state.Progress(step=1))
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "rng": [rng_state()], "progress": asdict(Progress(step=1))}
 
 
 def state_megabytes(state: dict) -> float:

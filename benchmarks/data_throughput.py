@@ -122,18 +122,19 @@ def cifar100_resnet50(workdir: Path) -> Pipeline:
 
 
 def dinov2_fsdp(workdir: Path) -> Pipeline:
-    from recipes.dinov2_fsdp.data import augment, to_model_input
+    from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
     from recipes.dinov2_fsdp.model import build_model
 
     cfg = compose_config("dinov2_fsdp", ["model.pretrained=false"])
     images = torch.randint(0, 256, (1024, 3, 32, 32), dtype=torch.uint8)  # CIFAR-100 as the recipe holds it
+    normalize = Normalize(MEAN, STD, images.device, input_max=1)
     size = cfg.trainer.batch_size
 
     def batch(n: int) -> torch.Tensor:
         indices = torch.arange(n * size, (n + 1) * size) % len(images)
-        uint8 = augment(images[indices], cfg.data.random_crop_padding, cfg.data.horizontal_flip,
-                        seeded_generator(images.device, 0, n))
-        return to_model_input(uint8, cfg.model.image_size)
+        uint8 = random_crop_and_flip(images[indices], cfg.data.random_crop_padding, cfg.data.horizontal_flip,
+                                     seeded_generator(images.device, 0, n), reflect=True)
+        return to_model_input(uint8, cfg.model.image_size, normalize)
 
     size_px = cfg.model.image_size
     return Pipeline(size, batch, build_model(cfg.model), torch.randn(2, 3, size_px, size_px), False)

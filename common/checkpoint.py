@@ -368,11 +368,6 @@ class CheckpointManager:
             self._best_value = best.metrics[self.best_metric] if best is not None else None
         self._next_index: int = distributed.broadcast_object(next_index)
 
-    @classmethod
-    def from_config(cls, cfg: Any) -> CheckpointManager:
-        return cls(cfg.dir, keep_last=KEEP_ALL if is_artifact_path(cfg.dir) else cfg.keep_last, keep_best=cfg.keep_best,
-                   best_metric=cfg.best_metric, best_mode=cfg.best_mode, async_save=cfg.async_save)
-
     def _remove_uncommitted(self) -> None:
         """Half-written saves, a stale temporary symlink, and directories above the symlink's
         ``N`` that are not ``_force`` (renamed into place by a save that crashed before the symlink

@@ -16,12 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from common.rng import sample_seed, seeded_generator, seeded_global_rng  # noqa: F401  (TRANSITION)
+from common.rng import seeded_global_rng
 from common.sampler import ResumableDistributedSampler
-
-
-def channel_constants(values, device):  # TRANSITION
-    return torch.tensor(values, device=device).view(1, -1, 1, 1)
 
 
 class PerSampleSeeded(Dataset):

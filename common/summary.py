@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from common.checkpoint import LATEST, best_checkpoint, committed_checkpoints
+from common.checkpoint import LATEST
 
 SUMMARY_FILE = "summary.json"
 
@@ -72,12 +72,3 @@ def output_lines(summary: Path, checkpoints: Path, best: Path | None, best_metri
         lines.append(f"  best:         {best}  (by {best_metric})")
     lines.append(f"  tensorboard:  {log_dir}  (tensorboard --logdir {log_dir})")
     return "\n".join(lines)
-
-
-def where_outputs_are(cfg: Any, summary: Path) -> str:
-    checkpoints = Path(cfg.checkpoint.dir)
-    best = None
-    if cfg.checkpoint.keep_best:
-        best = best_checkpoint(committed_checkpoints(checkpoints), cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
-    return output_lines(summary, checkpoints, best.path if best else None, cfg.checkpoint.best_metric,
-                        Path(cfg.logging.dir))

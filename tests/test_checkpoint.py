@@ -101,12 +101,25 @@ def test_keep_all_prunes_nothing(tmp_path: Path) -> None:
 
 
 def test_the_artifact_path_keeps_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from common.config import CheckpointConfig
+    from common.distributed import DistInfo
+    from common.entry import compose_config
+    from common.metrics import SumMetrics
+    from common.run import TrainingRun
+    from common.sampler import ResumableDistributedSampler
+    from common.steps import StepPlan
 
     monkeypatch.setenv("CHECKPOINT_ARTIFACT_PATH", str(tmp_path / "artifacts"))
-    on_isc = CheckpointManager.from_config(CheckpointConfig(dir=str(tmp_path / "artifacts"), keep_last=1))
-    elsewhere = CheckpointManager.from_config(CheckpointConfig(dir=str(tmp_path / "local"), keep_last=1))
-    assert on_isc.keep_last == KEEP_ALL and elsewhere.keep_last == 1
+    single = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")
+    keep_last = {}
+    for where in ("artifacts", "local"):
+        cfg = compose_config("fashion_mnist", [f"run_dir={tmp_path}", f"checkpoint.dir={tmp_path / where}",
+                                               "checkpoint.keep_last=1"])
+        sampler = ResumableDistributedSampler(8)
+        run = TrainingRun.from_config(cfg, single, StepPlan(sampler, 1, 1, 1, 1), model=torch.nn.Linear(1, 1),
+                                      sampler=sampler, train_sums=SumMetrics(single.device))
+        run.cadence.close()
+        keep_last[where] = run.checkpoints.keep_last
+    assert keep_last == {"artifacts": KEEP_ALL, "local": 1}
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest", "missing_file"])
