@@ -10,7 +10,7 @@ ResNet-50 after one SGD step with momentum, so every momentum buffer exists):
   host buffers, the same synchronous sequence runs in a background thread.
 
 Each figure is the median over repeats of the time ``save()`` takes to return. The first
-asynchronous save allocates its staging buffers (page-locked on a GPU) and is reported apart.
+asynchronous save allocates its snapshot buffers (page-locked on a GPU) and is reported apart.
 On a GPU the model and optimizer state live on the GPU, so every save includes the copy to
 the host.
 """
@@ -93,13 +93,13 @@ def run(quick: bool) -> list[Result]:
             Result(BENCHMARK, f"{device.type}: CheckpointManager, synchronous", sync, "ms",
                    f"loop blocked for the whole atomic, verified write (fsync + sha256); {repeats}"),
             Result(BENCHMARK, f"{device.type}: CheckpointManager, async: loop blocked", blocked, "ms",
-                   f"snapshot into reused host buffers; {repeats}"),
+                   f"snapshot into reused host buffers (HostSnapshot); {repeats}"),
             Result(BENCHMARK, f"{device.type}: async blocked / plain torch.save", 100 * blocked / plain, "%",
                    "target <= 10"),
             Result(BENCHMARK, f"{device.type}: async blocked / synchronous manager save", 100 * blocked / sync, "%",
                    "target <= 10"),
             Result(BENCHMARK, f"{device.type}: first async save: loop blocked", times["async first"][0], "ms",
-                   "allocates the staging buffers (page-locked on a GPU) once per run"),
+                   "allocates the snapshot buffers (page-locked on a GPU) once per run"),
             Result(BENCHMARK, f"{device.type}: async save until written", statistics.median(times["async total"]),
                    "ms", "save() to wait() returning, nothing else running"),
         ]

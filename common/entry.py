@@ -15,10 +15,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from common import distributed
 from common.config import RunConfig
+from common.determinism import configure_determinism
+from common.distributed import DistInfo
 from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, Preempted, UserError
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -115,6 +119,19 @@ def _print_job_config_resolved() -> None:
     args, _ = get_args_parser().parse_known_args(sys.argv[1:])
     if args.cfg == "job" and not args.resolve:
         sys.argv.append("--resolve")
+
+
+@contextlib.contextmanager
+def training_process(cfg: DictConfig, **process_group: Any) -> Iterator[DistInfo]:
+    """This process set up to train ``cfg``: PyTorch's determinism and speed switches (before CUDA
+    starts), then its device and process group (``common.distributed.init_distributed``, which
+    ``process_group``'s options go to); the group is destroyed at the end."""
+    configure_determinism(cfg.trainer.deterministic, cfg.device)
+    dist_info = distributed.init_distributed(cfg.device, **process_group)
+    try:
+        yield dist_info
+    finally:
+        distributed.shutdown_distributed()
 
 
 def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[DictConfig], Any]], Callable[[], None]]:

@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from common import cifar100
-from common.determinism import configure_determinism
-from common.distributed import DistInfo, init_distributed, shutdown_distributed
-from common.entry import recipe_main
+from common.distributed import DistInfo
+from common.entry import recipe_main, training_process
 from common.errors import UserError
 from common.image_batches import Normalize, random_crop_and_flip
 from common.metrics import SumMetrics, ratio
@@ -99,13 +98,8 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
 
 @recipe_main(DinoV2FSDPConfig)
 def main(cfg: DictConfig) -> None:
-    configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
-    dist_info = init_distributed(cfg.device, cpu_collectives=cfg.fsdp.cpu_offload,
-                                 group_of_one=cfg.fsdp.on_one_rank)
-    try:
+    with training_process(cfg, cpu_collectives=cfg.fsdp.cpu_offload, group_of_one=cfg.fsdp.on_one_rank) as dist_info:
         train(cfg, dist_info)
-    finally:
-        shutdown_distributed()
 
 
 def train(cfg: DictConfig, dist_info: DistInfo) -> None:

@@ -17,9 +17,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from common.determinism import configure_determinism
-from common.distributed import DistInfo, init_distributed, shutdown_distributed
-from common.entry import recipe_main
+from common.distributed import DistInfo
+from common.entry import recipe_main, training_process
 from common.image_batches import random_crop_and_flip
 from common.metrics import SumMetrics, ratio
 from common.optim import param_groups, scaled_lr, warmup_cosine
@@ -58,12 +57,8 @@ def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
 
 @recipe_main(FashionMNISTConfig)
 def main(cfg: DictConfig) -> None:
-    configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
-    dist_info = init_distributed(cfg.device)
-    try:
+    with training_process(cfg) as dist_info:
         train(cfg, dist_info)
-    finally:
-        shutdown_distributed()
 
 
 def train(cfg: DictConfig, dist_info: DistInfo) -> None:

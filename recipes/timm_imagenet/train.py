@@ -32,9 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from common.data import PerSampleSeeded, make_loader
-from common.determinism import configure_determinism
-from common.distributed import DistInfo, init_distributed, shutdown_distributed
-from common.entry import recipe_main
+from common.distributed import DistInfo
+from common.entry import recipe_main, training_process
 from common.errors import UserError
 from common.image_batches import Normalize
 from common.images import DeviceTrainInput, TrainImages, collate_train
@@ -99,12 +98,8 @@ def make_criterion(cfg: DictConfig, mixing: bool) -> torch.nn.Module:
 
 @recipe_main(TimmImageNetConfig)
 def main(cfg: DictConfig) -> None:
-    configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
-    dist_info = init_distributed(cfg.device)
-    try:
+    with training_process(cfg) as dist_info:
         train(cfg, dist_info)
-    finally:
-        shutdown_distributed()
 
 
 def train(cfg: DictConfig, dist_info: DistInfo) -> None:
