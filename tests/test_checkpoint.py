@@ -39,11 +39,11 @@ def names(directory: Path) -> list[str]:
 
 def test_save_then_load_round_trip(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, keep_last=2)
-    manager.save(3, state_for(3), {"eval/accuracy": 0.5})
+    manager.save(3, state_for(3), {"eval/top1": 0.5})
     loaded = manager.load_latest()
     assert loaded is not None and loaded.step == 3
     assert torch.equal(loaded.state["weights"], torch.full((1000,), 3.0))
-    assert loaded.metrics == {"eval/accuracy": 0.5}
+    assert loaded.metrics == {"eval/top1": 0.5}
     assert loaded.path == tmp_path / "AtomicDirectory_checkpoint_0"
     link = tmp_path / "AtomicDirectory.latest_checkpoint"
     assert link.is_symlink() and os.readlink(link) == str(tmp_path.resolve() / "AtomicDirectory_checkpoint_0")
@@ -65,10 +65,10 @@ def test_n_counts_saves_and_a_step_saved_again_is_a_newer_directory(tmp_path: Pa
 
 
 def test_keep_last_n_steps_and_the_best_by_metric_which_is_force(tmp_path: Path) -> None:
-    manager = CheckpointManager(tmp_path, keep_last=2, best_metric="eval/accuracy", best_mode="max")
+    manager = CheckpointManager(tmp_path, keep_last=2, best_metric="eval/top1", best_mode="max")
     accuracies = {1: 0.3, 2: 0.9, 3: 0.4, 4: 0.5, 5: 0.6}
     for step, accuracy in accuracies.items():
-        manager.save(step, state_for(step), {"eval/accuracy": accuracy})
+        manager.save(step, state_for(step), {"eval/top1": accuracy})
     # step 1 was the best when it was written, step 2 beat it; the others never beat step 2.
     assert names(tmp_path) == ["AtomicDirectory.latest_checkpoint", "AtomicDirectory_checkpoint_1_force",
                                "AtomicDirectory_checkpoint_3", "AtomicDirectory_checkpoint_4"]

@@ -24,9 +24,9 @@ KILLED_MID_WRITE = textwrap.dedent(
     import common.checkpoint as checkpoint_module
     from common.checkpoint import CheckpointManager
 
-    manager = CheckpointManager(sys.argv[1], async_save=True, best_metric="eval/accuracy")
+    manager = CheckpointManager(sys.argv[1], async_save=True, best_metric="eval/top1")
     state = {"weights": torch.arange(300_000, dtype=torch.float32), "step": 1}
-    manager.save(1, state, {"eval/accuracy": 0.5})
+    manager.save(1, state, {"eval/top1": 0.5})
     manager.wait()
 
     # From here on the background writer writes one chunk of state.pt, then hangs, so the
@@ -41,7 +41,7 @@ KILLED_MID_WRITE = textwrap.dedent(
     checkpoint_module._HashingWriter.write = write_one_chunk_then_hang
 
     state = {"weights": torch.arange(300_000, dtype=torch.float32) * 2, "step": 2}
-    manager.save(2, state, {"eval/accuracy": 0.9})
+    manager.save(2, state, {"eval/top1": 0.9})
     os.write(1, b"RETURNED\\n")  # save() came back while its write is still going on
     state["weights"].zero_()  # the loop goes on changing the live tensors
     threading.Event().wait()
@@ -90,7 +90,7 @@ def test_a_crash_during_the_background_write_keeps_the_previous_checkpoint(tmp_p
     assert loaded is not None and loaded.step == 1
     assert manager.verify(loaded.path)["step"] == 1
     assert torch.equal(loaded.state["weights"], torch.arange(300_000, dtype=torch.float32))
-    assert loaded.metrics == {"eval/accuracy": 0.5}
+    assert loaded.metrics == {"eval/top1": 0.5}
 
 
 @pytest.fixture
