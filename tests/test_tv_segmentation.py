@@ -28,7 +28,7 @@ from common.distributed import DistInfo
 from common.errors import UserError
 from common.images import Normalize
 from common.sampler import ResumableDistributedSampler
-from common.train_state import state_digest
+from common.summary import state_digest
 from recipes.tv_segmentation import coco
 from recipes.tv_segmentation.config import DataConfig, ModelConfig
 from recipes.tv_segmentation.data import (
@@ -277,7 +277,7 @@ def test_weights_come_from_local_files_and_bad_ones_are_user_errors(tmp_path: Pa
 
 
 def test_sigkill_at_a_random_step_then_resume_is_bit_exact(voc_data: Path, tmp_path: Path) -> None:
-    settings = ["trainer.epochs=2", "trainer.num_workers=1", "data.eval_batch_size=2", "seed=3"]
+    settings = ["trainer.epochs=2", "trainer.num_workers=1", "trainer.eval_batch_size=2", "seed=3"]
     reference = tmp_path / "reference"
     assert_ok(run_recipe(RECIPE, overrides(voc_data, reference, *settings)))
     summary = read_summary(reference)
@@ -303,7 +303,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_exact(voc_data: Path, tmp_p
 
 def test_two_gloo_ranks_train_with_sync_batchnorm(voc_data: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = run_recipe(RECIPE, overrides(voc_data, run_dir, "trainer.epochs=1", "data.eval_batch_size=2"), nproc=2)
+    result = run_recipe(RECIPE, overrides(voc_data, run_dir, "trainer.epochs=1", "trainer.eval_batch_size=2"), nproc=2)
     assert_ok(result)
     assert "global batch 4 (2 x 2 ranks x 1 accumulation)" in result.stdout
     assert "BatchNorm layers synchronised across 2 ranks" in result.stdout
