@@ -16,6 +16,8 @@ Checks (each passes or fails; any failure makes the exit code 1):
 * on CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` in each uninterrupted run: every host
   sync is traced to its line in ``train.py``; any inside the training step, other than the
   logging and checkpoint branches, fails the check;
+* on CUDA, ``data.decode=gpu`` (nvjpeg, then the crop on the device) gives the images the
+  CPU path gives, for every kind of file an ImageNet folder holds;
 * tv_segmentation's synchronised BatchNorm (``nn.SyncBatchNorm`` on CUDA) across two processes
   (gloo: NCCL refuses two ranks on one GPU) equals BatchNorm over the whole batch.
 
@@ -392,6 +394,32 @@ def check_sync_batchnorm(device: str, work: Path) -> str:
 # ---- figures ------------------------------------------------------------------------------------------------
 
 
+def check_nvjpeg(work: Path) -> str:
+    """timm_imagenet's ``data.decode=gpu``: nvjpeg decodes (the worker decodes what nvjpeg cannot:
+    greyscale, CMYK, a PNG named .JPEG) and crops as the CPU path does, to a few grey levels."""
+    from common.config import Decode
+    from common.data import PerSampleSeeded
+    from common.images import DeviceTrainInput, TrainAugmentation, TrainImages, collate_train
+    from tools.tiny_data import write_jpeg_cases
+
+    cases = write_jpeg_cases(work)
+    names = ["rgb", "large", "greyscale", "cmyk", "png", "rgb"]
+    augmentation = TrainAugmentation(size=48, colour_jitter=0.4)
+
+    def pixels(decode: Decode, device: torch.device) -> torch.Tensor:
+        images = PerSampleSeeded(TrainImages([str(cases[n]) for n in names], [0] * len(names), augmentation, decode),
+                                 seed=4)
+        batch, _ = collate_train([(images[(0, i)][0], 0) for i in range(len(names))])
+        return DeviceTrainInput(augmentation, decode, (0.0,) * 3, (1 / 255,) * 3, device)(batch).float().cpu()
+
+    on_gpu, on_cpu = pixels(Decode.gpu, torch.device("cuda")), pixels(Decode.cpu, torch.device("cpu"))
+    differences = {name: float((g - c).abs().mean()) for name, g, c in zip(names, on_gpu, on_cpu)}
+    worst = max(differences, key=differences.get)
+    if differences[worst] >= 4:
+        raise CheckFailed(f"{worst}: nvjpeg's crop differs from the CPU path's by {differences[worst]:.1f} grey levels")
+    return f"{len(names)} images, largest mean difference {differences[worst]:.2f} grey levels ({worst})"
+
+
 def peak_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
 
@@ -532,6 +560,9 @@ def run_everything(report: Report, device_name: str, work: Path, compile_too: bo
                 future.result()
     report.timed("tv_segmentation: synchronised BatchNorm across 2 processes",
                  lambda: check_sync_batchnorm(device_name, work / "sync_batchnorm"))
+    if device_name == "cuda":
+        report.timed("timm_imagenet data.decode=gpu: nvjpeg crops as the CPU path does",
+                     lambda: check_nvjpeg(work / "jpegs"))
     device = torch.device(device_name)
     for name, figures in (("ResNet-50 figures", lambda: resnet50_figures(device, compile_too)),
                           ("ViT-B/14 and ViT-L/14 figures", lambda: vit_figures(device, compile_too)),

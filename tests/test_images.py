@@ -159,18 +159,6 @@ def test_both_paths_give_the_same_crops_whatever_the_file(cases: dict[str, Path]
     assert (whole.float() - tvf.resize(reference, [30, 30], antialias=True).float()).abs().mean() < 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: decodes with nvjpeg")
-def test_nvjpeg_decodes_and_crops_as_the_cpu_path_does(cases: dict[str, Path]) -> None:
-    names = ["rgb", "large", "greyscale", "cmyk", "png", "rgb"]
-    paths = [str(cases[name]) for name in names]
-    gpu = PerSampleSeeded(TrainImages(paths, [0] * 6, TIMM_DEFAULT, Decode.gpu), seed=4)
-    cpu = PerSampleSeeded(TrainImages(paths, [0] * 6, TIMM_DEFAULT, Decode.cpu), seed=4)
-    on_gpu = pixels_0_255(TIMM_DEFAULT, Decode.gpu, [gpu[(0, i)][0] for i in range(6)], torch.device("cuda"))
-    on_cpu = pixels_0_255(TIMM_DEFAULT, Decode.cpu, [cpu[(0, i)][0] for i in range(6)])
-    for name, gpu_image, cpu_image in zip(names, on_gpu, on_cpu):
-        assert (gpu_image - cpu_image).abs().mean() < 4, name
-
-
 def test_a_truncated_jpeg_is_a_user_error_naming_it_on_both_paths(cases: dict[str, Path]) -> None:
     path = str(cases["truncated"])
     assert read_header(read_file(path), path)[:2] == (120, 90), "the header is intact: decoding must find it"
