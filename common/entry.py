@@ -5,12 +5,16 @@
   of the wrong type ends with one line on stderr and exit code 2, before any work;
 * Hydra's own flags (``--cfg job``, ``--help``, ``-m`` sweeps with a launcher) work as usual;
 * a :class:`~common.errors.UserError` raised by the recipe ends the same way;
+* SIGTERM/SIGUSR1 end with exit code 75 once the recipe has written its checkpoint; under
+  ``cluster/torchrun.py`` each worker also records its exit code for the launcher (torchrun
+  itself turns any worker's non-zero exit into its own exit code 1);
 * the run directory is the deterministic ``run_dir`` (in a sweep: the sweep directory plus
   the job's overrides), so a restarted job finds its checkpoints.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +30,8 @@ from omegaconf.errors import OmegaConfBaseException
 from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, Preempted, UserError
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+EXIT_CODE_DIR = "RECIPES_EXIT_CODE_DIR"
+"""Set by ``cluster/torchrun.py``: the folder where each worker records why it stopped (a file per rank)."""
 
 # Hydra flags that take a value in the next argument.
 _FLAGS_WITH_VALUE = {
@@ -37,8 +43,16 @@ _INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "search
 _SWEEP_FLAGS = {"-m", "--multirun"}
 
 
+def record_exit_code(code: int) -> None:
+    """Leave ``code`` where the launcher looks for it (see :data:`EXIT_CODE_DIR`), if it does."""
+    folder = os.environ.get(EXIT_CODE_DIR)
+    if folder and os.path.isdir(folder):
+        Path(folder, f"rank{os.environ.get('RANK', '0')}").write_text(str(code))
+
+
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
+    record_exit_code(EXIT_USER_ERROR)
     sys.exit(EXIT_USER_ERROR)
 
 
@@ -62,7 +76,7 @@ def _first_line(error: BaseException) -> str:
     return ": ".join(list(dict.fromkeys(messages))[:2]) or "invalid configuration"
 
 
-def _split_argv(argv: list[str], config_name: str) -> tuple[str, list[str], bool]:
+def split_argv(argv: list[str], config_name: str) -> tuple[str, list[str], bool]:
     overrides, sweep, previous = [], False, ""
     args = iter(argv)
     for arg in args:
@@ -114,12 +128,13 @@ def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
                 fail(user_message(error))
             except Preempted as stop:
                 print(f"{stop}; exiting with code {EXIT_PREEMPTED} (run again to resume)", flush=True)
+                record_exit_code(EXIT_PREEMPTED)
                 sys.exit(EXIT_PREEMPTED)
 
         def main() -> None:
             if _prints_job_config(sys.argv) and "--resolve" not in sys.argv:
                 sys.argv.append("--resolve")  # print the config as the run will see it
-            name, overrides, sweep = _split_argv(sys.argv[1:], config_name)
+            name, overrides, sweep = split_argv(sys.argv[1:], config_name)
             if not sweep:
                 try:
                     validate_overrides(name, overrides)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests import slurm_cluster as sc
-from tests.conftest import REPO, free_port, latest_step, read_summary, recipe_env
+from tests.conftest import REPO, free_port, latest_step, read_summary, recipe_env, run_recipe, start_recipe
+from tests.resume import CHAIN_SETTINGS, paused_env, wait_for_pause
 from tools.tiny_data import write_fashion_mnist
 
 TINY = ["trainer.deterministic=true", "model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=32",
@@ -206,6 +208,75 @@ def test_launch_rejects_a_bad_override_before_torchrun(tmp_path: Path):
     assert "no_such_key" in output and "torch.distributed" not in output
 
 
+# ---- cluster/torchrun.py: torchrun with a single process's exit codes ---------------------------
+
+def workers_of(launcher: subprocess.Popen) -> dict[int, int]:
+    """rank -> pid of the workers the launcher started (its children that torchrun gave a RANK)."""
+    workers = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != launcher.pid:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next((item[5:] for item in environ if item.startswith(b"RANK=")), None)
+        if rank is not None:
+            workers[int(rank)] = int(stat.parent.name)
+    return workers
+
+
+def test_make_train_with_nproc_reports_a_bad_override_in_one_line_before_starting_workers(tmp_path: Path):
+    """What `make train-<r> NPROC=2 ARGS=trainer.nonsense=1` printed before: every rank's error and
+    torchrun's traceback, 43 lines, exit 1. (cifar100_resnet50: its target has no data-prep step.)"""
+    result = subprocess.run(["make", "-s", "-o", ".venv/.installed", "train-cifar100_resnet50", "NPROC=2",
+                             f"PY={sys.executable}", f"ARGS=trainer.nonsense=1 run_dir={tmp_path / 'run'}"],
+                            cwd=REPO, env=recipe_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    ours = [line for line in result.stderr.splitlines() if not line.startswith("make: ***")]
+    assert ours == ["error: Could not override 'trainer.nonsense': Key 'nonsense' not in 'TrainerConfig'"], \
+        result.stderr
+    assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "run").exists()
+
+
+def test_torchrun_exits_2_without_a_traceback_when_every_worker_reports_a_user_error(tmp_path: Path):
+    result = run_recipe("fashion_mnist", ["data.root=/does/not/exist", f"run_dir={tmp_path}/run", *TINY], nproc=2)
+    assert result.returncode == 2, result.stderr
+    assert "error: data directory /does/not/exist does not exist" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_torchrun_exits_75_when_the_workers_themselves_get_sigterm(fashion_data: Path, tmp_path: Path):
+    """As when SLURM or a process-group kill signals the workers and not the launcher: torchrun
+    sees its workers exit non-zero, which it reports as a failure (exit 1)."""
+    marker = tmp_path / "paused"
+    launcher = start_recipe("fashion_mnist", [f"data.root={fashion_data}", f"run_dir={tmp_path}/run", *TINY,
+                                              *CHAIN_SETTINGS, "trainer.epochs=2"],
+                            nproc=2, env=paused_env(2, marker))
+    wait_for_pause(marker, launcher)
+    workers = workers_of(launcher)
+    assert sorted(workers) == [0, 1]
+    for pid in workers.values():
+        os.kill(pid, signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 75, output
+    assert output.count("received SIGTERM: checkpoint saved at step 3") == 2, output
+    assert "torchrun: all 2 worker(s) checkpointed and stopped; exiting with code 75" in output
+
+
+def test_torchrun_does_not_report_75_when_a_worker_died_without_its_checkpoint(fashion_data: Path, tmp_path: Path):
+    marker = tmp_path / "paused"
+    launcher = start_recipe("fashion_mnist", [f"data.root={fashion_data}", f"run_dir={tmp_path}/run", *TINY,
+                                              *CHAIN_SETTINGS, "trainer.epochs=2"],
+                            nproc=2, env=paused_env(2, marker))
+    wait_for_pause(marker, launcher)
+    os.kill(workers_of(launcher)[1], signal.SIGKILL)
+    launcher.send_signal(signal.SIGTERM)  # rank 0 is then told to stop, but rank 1 is gone
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 1, output
+    assert "checkpointed and stopped" not in output
+
+
 # ---- the scripts and the submitit launcher config -------------------------------------------
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
@@ -226,7 +297,7 @@ def test_every_recipe_has_an_sbatch_file_that_runs_it():
     assert "fashion_mnist" in recipes
     for recipe in recipes:
         text = (REPO / "cluster" / "slurm" / f"{recipe}.sbatch").read_text()
-        assert f"-m recipes.{recipe}.train" in text
+        assert f"-m recipes.{recipe}.train" in text and "-m cluster.torchrun" in text, recipe
         for option in ("--requeue", "--signal=B:USR1@", "--open-mode=append", "--gpus-per-node="):
             assert f"#SBATCH {option}" in text, (recipe, option)
 
