@@ -24,7 +24,7 @@ from common import train_state
 from common.checkpoint import CheckpointManager
 from common.data import seeded_generator
 from common.determinism import configure_determinism
-from common.distributed import DistInfo, init_distributed, shutdown_distributed
+from common.distributed import DistInfo, broadcast_buffers, init_distributed, shutdown_distributed
 from common.entry import recipe_main
 from common.errors import UserError
 from common.loggers import RunLogger
@@ -43,6 +43,7 @@ from recipes.cifar100_resnet50.model import build_model
 def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
              dist_info: DistInfo, prefix: str = "eval") -> dict[str, float]:
     """Loss, top-1 and top-5 accuracy over the whole split, each sample counted once across ranks."""
+    broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed
     was_training = model.training
     model.eval()
     sampler = ResumableDistributedSampler(

@@ -22,7 +22,7 @@ from common import train_state
 from common.checkpoint import CheckpointManager
 from common.data import seeded_generator
 from common.determinism import configure_determinism
-from common.distributed import DistInfo, init_distributed, shutdown_distributed
+from common.distributed import DistInfo, broadcast_buffers, init_distributed, shutdown_distributed
 from common.entry import recipe_main
 from common.loggers import RunLogger
 from common.metrics import SumMetrics, ratio
@@ -40,6 +40,7 @@ from recipes.fashion_mnist.model import build_model
 def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
              dist_info: DistInfo) -> dict[str, float]:
     """Loss and accuracy over the whole split, each sample counted once across ranks."""
+    broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed
     model.eval()
     sampler = ResumableDistributedSampler(
         len(images), dist_info.rank, dist_info.world_size, shuffle=False, drop_last=False

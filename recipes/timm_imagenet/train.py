@@ -39,7 +39,7 @@ from common import train_state
 from common.checkpoint import CheckpointManager
 from common.data import PerSampleSeeded, make_loader, sample_seed
 from common.determinism import configure_determinism
-from common.distributed import DistInfo, init_distributed, shutdown_distributed
+from common.distributed import DistInfo, broadcast_buffers, init_distributed, shutdown_distributed
 from common.entry import recipe_main
 from common.errors import UserError
 from common.images import DeviceTrainInput, Normalize, TrainImages, collate_train
@@ -83,6 +83,7 @@ def seed_step(seed: int, step: int, rank: int) -> None:
 def evaluate(model: torch.nn.Module, loader: DataLoader, normalize: Normalize, cfg: DictConfig,
              device: torch.device, prefix: str) -> dict[str, float]:
     """Loss, top-1 and top-5 over the whole split, each image counted once across ranks."""
+    broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed
     was_training = model.training
     model.eval()
     sums = SumMetrics(device)
