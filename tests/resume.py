@@ -96,9 +96,10 @@ def draw_plan(seed: int, steps_per_epoch: int, total_steps: int, first_kill: int
     return Plan(seed, kill_at, stop_at, steps_per_epoch)
 
 
-def paused_env(pause_at: int, marker: Path, mid_write: bool = False) -> dict[str, str]:
+def paused_env(pause_at: int, marker: Path, mid_write: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a run that pauses at its first checkpoint of step ``pause_at`` or later."""
     return recipe_env(PYTHONPATH=f"{PAUSE_HOOK}{os.pathsep}{REPO}", PAUSE_AT_STEP=str(pause_at),
-                      PAUSE_MARKER=str(marker), PAUSE_MID_WRITE="1" if mid_write else "0")
+                      PAUSE_MARKER=str(marker), PAUSE_MID_WRITE="1" if mid_write else "0", **extra)
 
 
 def wait_for_pause(marker: Path, process: subprocess.Popen) -> int:

@@ -47,19 +47,23 @@ def slurm_runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFacto
     jobs = {}
     for name in ("alone", "preempted"):
         run_dir = tmp / name
-        # The job left alone also stages its data to "node-local" disk first.
-        staging = {"STAGE_DATA": "1", "STAGE_DIR": str(tmp / "node-local")} if name == "alone" else {}
+        # The job left alone also stages its data to "node-local" disk first; the other pauses after
+        # its checkpoint of step 2 until the signal reaches it, however fast or slow this machine is.
+        if name == "alone":
+            env = clean_env(**slurm_env, STAGE_DATA="1", STAGE_DIR=str(tmp / "node-local"))
+        else:
+            env = {**paused_env(2, tmp / "paused"), **slurm_env, "PYTHON": sys.executable}
         job = sc.sbatch(REPO / "cluster" / "slurm" / "fashion_mnist.sbatch",
-                        args=[*options, f"--output={tmp}/{name}-%j.out"], env=clean_env(**slurm_env, **staging),
+                        args=[*options, f"--output={tmp}/{name}-%j.out"], env=env,
                         cwd=REPO, script_args=[*overrides, f"run_dir={run_dir}"])
         jobs[name] = {"job": job, "run_dir": run_dir, "log": tmp / f"{name}-{job}.out", "tmp": tmp}
 
     preempted = jobs["preempted"]
     env = clean_env(**slurm_env)
-    deadline = time.monotonic() + 240
-    while latest_step(preempted["run_dir"] / "checkpoints") < 2:
+    deadline = time.monotonic() + 300
+    while not (tmp / "paused").exists():
         assert sc.job_state(preempted["job"], env) in ("PENDING", "RUNNING"), preempted["log"].read_text()
-        assert time.monotonic() < deadline, "no checkpoint at step 2 within 240 s"
+        assert time.monotonic() < deadline, "no checkpoint at step 2 within 300 s"
         time.sleep(0.2)
     preempted["signalled_at_step"] = latest_step(preempted["run_dir"] / "checkpoints")
     sc.signal_batch(preempted["job"], "USR1", env=env)
@@ -94,10 +98,11 @@ def test_preempted_sbatch_requeues_resumes_and_matches_uninterrupted_digest(slur
     first, stop = output.index("start (restart 0)"), output.index("requeueing")
     second, resumed = output.index("start (restart 1)"), output.index("resumed from")
     assert first < stop < second < resumed < output.index("training finished"), output
-    assert "received SIGUSR1: checkpoint saved" in output
+    assert preempted["signalled_at_step"] == 2
+    assert "received SIGUSR1: checkpoint saved at step 3" in output
+    assert "training stopped (exit 75) after its checkpoint; requeueing" in output
     result = read_summary(preempted["run_dir"])
     assert result["resumes"] == 1 and result["steps"] == 32
-    assert preempted["signalled_at_step"] < 32
     assert result["model_digest"] == read_summary(alone["run_dir"])["model_digest"]
 
 

@@ -86,3 +86,49 @@ def test_partial_metric_sums_of_every_rank_survive_a_resume(tmp_path: Path) -> N
     one_rank = SumMetrics(torch.device("cpu"))
     train_state.restore(CheckpointManager(directory).load_latest().state, None, None, None, None, None, one_rank)
     assert one_rank.reduce() == {"count": 4.0, "loss": 7.0}
+
+
+def test_capture_then_restore_brings_back_every_part_of_the_training_state(tmp_path: Path) -> None:
+    """Through a real checkpoint: the weights, the optimizer's moments, the LR schedule's position,
+    the fp16 grad scaler's scale and growth count, the sampler's place in its epoch, the progress
+    counters and the RNGs, each into fresh objects built as a restarted run builds them."""
+    from common.optim import warmup_cosine
+    from common.sampler import ResumableDistributedSampler
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        scheduler = warmup_cosine(optimizer, 2, 10, 0.0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+        sampler = ResumableDistributedSampler(40, seed=1)
+        return model, optimizer, scheduler, scaler, sampler
+
+    model, optimizer, scheduler, scaler, sampler = build()
+    sampler.set_epoch(1)
+    for _ in range(3):
+        scaler.scale(model(torch.randn(5, 4)).square().mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scheduler.step()
+        sampler.advance(5)
+    assert scaler.get_scale() == 2048.0 and scaler.state_dict()["_growth_tracker"] == 1
+    progress = train_state.Progress(step=3, epoch=1, extra={"stage": "probe"})
+    train_state.seed_everything(11)
+    checkpoints = CheckpointManager(tmp_path)
+    checkpoints.save(3, train_state.capture(model, optimizer, scheduler, scaler, sampler, progress))
+    expected_draws = draws()
+
+    fresh = build()
+    train_state.seed_everything(12)
+    restored = train_state.restore(checkpoints.load_latest().state, *fresh)
+    model2, optimizer2, scheduler2, scaler2, sampler2 = fresh
+    assert draws() == expected_draws
+    assert (restored.step, restored.epoch, restored.extra, restored.resumes) == (3, 1, {"stage": "probe"}, 1)
+    assert train_state.model_digest(model2) == train_state.model_digest(model)
+    for key, value in optimizer.state_dict()["state"][0].items():
+        assert torch.equal(optimizer2.state_dict()["state"][0][key], value), key
+    assert scheduler2.state_dict() == scheduler.state_dict() and scheduler2.get_last_lr() == scheduler.get_last_lr()
+    assert scaler2.state_dict() == scaler.state_dict()
+    assert (sampler2.epoch, sampler2.consumed, list(sampler2)) == (1, 15, list(sampler))

@@ -1,15 +1,16 @@
 """Test-only (tests/resume.py): pause a training run right after a chosen checkpoint, so that a
 SIGKILL or a stop signal lands exactly there, however fast or loaded the machine is.
 
-Python imports this module at start-up when its folder is on PYTHONPATH. With PAUSE_AT_STEP=<n>
-and PAUSE_MARKER=<file> set, every process that imports the recipes' checkpoint manager (each
-rank; torchrun's launcher never saves) does this at its first ``CheckpointManager.save`` of a step
-``>= n``:
+Python imports this module at start-up when its folder (and the repository) is on PYTHONPATH.
+With PAUSE_AT_STEP=<n> and PAUSE_MARKER=<file> set, it patches the checkpoint manager of every
+process started so, and each process that saves (every rank) does this at its first
+``CheckpointManager.save`` of a step ``>= n``:
 
 * by default, once that save has returned and its checkpoint is committed (a background write
   included), rank 0 writes the step to the marker file; then the process waits until SIGTERM or
   SIGUSR1 has reached it, and forever otherwise. The test SIGKILLs it there, or sends the signal,
   after which the run goes on, sees the signal at its next step and stops there;
+* a process started once the marker exists does not pause (a requeued job, say);
 * with PAUSE_MID_WRITE=1 (for ``checkpoint.async_save=true``), the background writer stops in the
   middle of writing that checkpoint's ``state.pt`` and writes the marker; the training loop goes on
   until its next save waits for the writer. A SIGKILL then lands in the middle of a real write.
@@ -17,7 +18,7 @@ rank; torchrun's launcher never saves) does this at its first ``CheckpointManage
 
 import os
 
-if os.environ.get("PAUSE_AT_STEP"):
+if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARKER"]):
     import threading
     import time
     from pathlib import Path
