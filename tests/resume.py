@@ -6,7 +6,8 @@ launch through ``cluster/torchrun.py`` with more than one):
 1. **reference**: an uninterrupted run (or the caller's, made with the same overrides);
 2. **killed**: the same command, SIGKILLed (launcher, every rank, every loader worker at once,
    no clean-up) right after the checkpoint of a step drawn in the *middle* of an epoch is
-   committed (``mid_write=True``: in the middle of that checkpoint's background write instead);
+   committed (``kill="mid-write"``: in the middle of that checkpoint's background write instead;
+   ``kill="after-evaluation"``: right after the checkpoint an epoch's end writes with its metrics);
 3. **signalled**: started again, it resumes from exactly that checkpoint; SIGTERM or SIGUSR1 is
    sent to it (to the launcher under torchrun) right after the step before an epoch's *last* step:
    the run finishes that last step, checkpoints it and exits with code 75;
@@ -33,7 +34,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -58,48 +59,61 @@ def chain_seed() -> int:
     return int(os.environ.get("KILL_SEED") or secrets.randbits(32))
 
 
+# Where the SIGKILL lands: right after the checkpoint of a step in the middle of an epoch; in the
+# middle of writing that checkpoint in the background (with checkpoint.async_save=true), so the
+# run resumes from the step before; or right after the checkpoint an epoch's end writes with its
+# evaluation, so the run resumes at the start of the next epoch.
+KILLS = ("mid-epoch", "mid-write", "after-evaluation")
+
+
 @dataclass
 class Plan:
-    """Where a chain stops: SIGKILL after step ``kill_at`` (mid-epoch), a signal after step
-    ``signal_after`` so that the run stops at ``stop_at``, the last step of an epoch."""
+    """Where a chain stops: SIGKILL after step ``kill_at``, a signal after step ``signal_after``
+    so that the run stops at ``stop_at``, the last step of an epoch."""
 
     seed: int
+    kill: str
     kill_at: int
     stop_at: int
     steps_per_epoch: int
     resumed_at: int = 0  # the step the killed run's latest committed checkpoint holds
-    notes: list[str] = field(default_factory=list)
 
     @property
     def signal_after(self) -> int:
         return self.stop_at - 1
 
     def replay(self) -> str:
-        return (f"KILL_SEED={self.seed}: killed after step {self.kill_at}, stopped at step {self.stop_at} "
-                f"({self.steps_per_epoch} steps per epoch). {' '.join(self.notes)}")
+        return (f"KILL_SEED={self.seed}: killed ({self.kill}) after step {self.kill_at}, stopped at step "
+                f"{self.stop_at} ({self.steps_per_epoch} steps per epoch)")
 
 
-def draw_plan(seed: int, steps_per_epoch: int, total_steps: int, first_kill: int = 1, mid_write: bool = False
+def draw_plan(seed: int, steps_per_epoch: int, total_steps: int, first_kill: int = 1, kill: str = "mid-epoch"
               ) -> Plan:
-    """A kill step in the middle of an epoch (with ``mid_write``, one whose previous step is too,
-    since that is where the run resumes) and the last step of a later epoch, at least two steps
-    after it, before the end of training."""
+    """A kill step (see :data:`KILLS`: mid-epoch, or an epoch's end for ``after-evaluation``; for
+    ``mid-write`` the step before is mid-epoch too, since the run resumes there) and the last step
+    of a later epoch, at least two steps after it, before the end of training."""
     epoch_ends = [end for end in range(steps_per_epoch, total_steps, steps_per_epoch)]
+
+    def fits(step: int) -> bool:
+        if kill == "after-evaluation":
+            return step % steps_per_epoch == 0
+        return bool(step % steps_per_epoch) and (kill != "mid-write" or step > 1 and (step - 1) % steps_per_epoch)
+
     kills = [step for step in range(max(1, first_kill), total_steps)
-             if step % steps_per_epoch and (not mid_write or (step - 1) % steps_per_epoch and step > 1)
-             and any(end >= step + 2 for end in epoch_ends)]
-    assert kills, (f"no mid-epoch kill step fits {total_steps} steps of {steps_per_epoch} per epoch "
+             if fits(step) and any(end >= step + 2 for end in epoch_ends)]
+    assert kills, (f"no {kill} kill step fits {total_steps} steps of {steps_per_epoch} per epoch "
                    f"(from step {first_kill}); give the chain more steps")
     rng = random.Random(seed)
     kill_at = rng.choice(kills)
     stop_at = rng.choice([end for end in epoch_ends if end >= kill_at + 2])
-    return Plan(seed, kill_at, stop_at, steps_per_epoch)
+    return Plan(seed, kill, kill_at, stop_at, steps_per_epoch)
 
 
-def paused_env(pause_at: int, marker: Path, mid_write: bool = False, **extra: str) -> dict[str, str]:
-    """The environment of a run that pauses at its first checkpoint of step ``pause_at`` or later."""
+def paused_env(pause_at: int, marker: Path, pause: str = "after-save", **extra: str) -> dict[str, str]:
+    """The environment of a run that pauses at its first checkpoint of step ``pause_at`` or later
+    (``pause``: after-save, mid-write or after-evaluation; see tests/pause_hook/sitecustomize.py)."""
     return recipe_env(PYTHONPATH=f"{PAUSE_HOOK}{os.pathsep}{REPO}", PAUSE_AT_STEP=str(pause_at),
-                      PAUSE_MARKER=str(marker), PAUSE_MID_WRITE="1" if mid_write else "0", **extra)
+                      PAUSE_MARKER=str(marker), PAUSE_HOW=pause, **extra)
 
 
 def wait_for_pause(marker: Path, process: subprocess.Popen) -> int:
@@ -155,7 +169,7 @@ def kill_signal_resume(
     reference: Path | None = None,
     extra_digests: tuple[str, ...] = (),
     first_kill: int = 1,
-    mid_write: bool = False,
+    kill: str = "mid-epoch",
     one_rank_eval_overrides: tuple[str, ...] = (),
     timeout: float = 600,
 ) -> dict:
@@ -163,7 +177,8 @@ def kill_signal_resume(
 
     ``overrides`` are the recipe's (``run_dir`` is set here). ``reference`` is the run directory
     of an uninterrupted run with the same overrides and :data:`CHAIN_SETTINGS` (one is made
-    otherwise). ``first_kill`` is the earliest step to kill at (e.g. to kill in a later stage).
+    otherwise). ``kill`` is one of :data:`KILLS`; ``first_kill`` is the earliest step to kill at
+    (e.g. to kill in a later stage).
     ``one_rank_eval_overrides`` are added to the one-rank evaluation of a multi-process chain.
     """
     settings = [*overrides, *CHAIN_SETTINGS]
@@ -174,38 +189,43 @@ def kill_signal_resume(
     assert expected["world_size"] == nproc
     steps_per_epoch = expected["steps"] // expected["epochs"]
     seed = chain_seed()
-    plan = draw_plan(seed, steps_per_epoch, expected["steps"], first_kill, mid_write)
+    plan = draw_plan(seed, steps_per_epoch, expected["steps"], first_kill, kill)
     print(f"{recipe}, {nproc} process(es): {plan.replay()}")
     try:
         return _run_chain(recipe, settings, tmp_path / "run", nproc, stop_signal, reference, extra_digests, plan,
-                          mid_write, one_rank_eval_overrides, timeout)
+                          one_rank_eval_overrides, timeout)
     except (AssertionError, Failed) as error:
         error.add_note(f"replay with {plan.replay()}")
         raise
 
 
 def _run_chain(recipe: str, settings: list[str], run_dir: Path, nproc: int, stop_signal: signal.Signals,
-               reference: Path, extra_digests: tuple[str, ...], plan: Plan, mid_write: bool,
+               reference: Path, extra_digests: tuple[str, ...], plan: Plan,
                one_rank_eval_overrides: tuple[str, ...], timeout: float) -> dict:
     expected = read_summary(reference)
     checkpoints = run_dir / "checkpoints"
     command = [*settings, f"run_dir={run_dir}"]
 
-    # 2. killed in the middle of an epoch
+    # 2. killed mid-epoch, mid-write or after an epoch's evaluation
     marker = run_dir.parent / "killed.paused"
-    process = start_recipe(recipe, command, nproc=nproc, env=paused_env(plan.kill_at, marker, mid_write))
+    pause = "after-save" if plan.kill == "mid-epoch" else plan.kill
+    process = start_recipe(recipe, command, nproc=nproc, env=paused_env(plan.kill_at, marker, pause))
     paused_at = wait_for_pause(marker, process)
     kill_run(process)
     assert paused_at == plan.kill_at
     step, state = latest_saved(checkpoints)
-    if mid_write:
+    if plan.kill == "mid-write":
         partial = list(checkpoints.glob(".tmp-checkpoint_*/state.pt"))
         assert partial and partial[0].stat().st_size > 0, "the kill did not land in the middle of a write"
         assert step == plan.kill_at - 1, f"the checkpoint being written at the kill was committed (step {step})"
     else:
         assert step == plan.kill_at
-    assert state["progress"]["epoch"] == step // plan.steps_per_epoch and state["sampler"]["consumed"] > 0, \
-        f"the checkpoint of step {step} is not in the middle of an epoch: {state['sampler']}"
+    if plan.kill == "after-evaluation":
+        assert state["progress"]["epoch"] == step // plan.steps_per_epoch and state["sampler"]["consumed"] == 0, \
+            f"the checkpoint of step {step} does not start the next epoch: {state['sampler']}"
+    else:
+        assert state["progress"]["epoch"] == step // plan.steps_per_epoch and state["sampler"]["consumed"] > 0, \
+            f"the checkpoint of step {step} is not in the middle of an epoch: {state['sampler']}"
     plan.resumed_at = step
 
     # 3. resumed, then signalled: it stops on an epoch's last step with exit code 75

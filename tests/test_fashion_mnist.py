@@ -65,13 +65,18 @@ def test_same_seed_same_digest_and_another_seed_differs(fashion_data: Path, tmp_
     assert digests[0] != digests[2]
 
 
-@pytest.mark.parametrize(("nproc", "stop_signal"), [pytest.param(1, signal.SIGTERM, id="1-SIGTERM"),
-                                                    pytest.param(2, signal.SIGUSR1, id="2-SIGUSR1")])
+@pytest.mark.parametrize(("nproc", "stop_signal", "kill"), [
+    pytest.param(1, signal.SIGTERM, "mid-epoch", id="1-SIGTERM"),
+    pytest.param(2, signal.SIGUSR1, "mid-epoch", id="2-SIGUSR1"),
+    pytest.param(1, signal.SIGUSR1, "after-evaluation", id="1-SIGUSR1-killed-at-an-epoch-end"),
+])
 def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(fashion_data: Path, tmp_path: Path, nproc: int,
-                                                                       stop_signal: signal.Signals) -> None:
-    settings = ["trainer.epochs=3", "data.random_crop_padding=2", "data.horizontal_flip=true", "seed=5",
+                                                                       stop_signal: signal.Signals, kill: str) -> None:
+    """The third case kills right after an epoch's last checkpoint (the one with its evaluation),
+    so the run resumes at the start of the next epoch."""
+    settings = ["trainer.epochs=4", "data.random_crop_padding=2", "data.horizontal_flip=true", "seed=5",
                 "trainer.batch_size=32"]
-    kill_signal_resume(RECIPE, overrides(fashion_data, None, *settings), tmp_path, nproc, stop_signal)
+    kill_signal_resume(RECIPE, overrides(fashion_data, None, *settings), tmp_path, nproc, stop_signal, kill=kill)
 
 
 def test_gradient_accumulation_keeps_the_effective_batch_on_fewer_ranks(fashion_data: Path, tmp_path: Path) -> None:

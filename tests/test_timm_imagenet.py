@@ -105,7 +105,7 @@ def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(imagenet:
                 "trainer.global_batch_size=8", "optim.opt=adamw", "optim.lr=0.002", "optim.weight_decay=0.05",
                 "checkpoint.async_save=true", f"data.stage_to_local={nproc == 2}", f"data.stage_dir={stage}"]
     summary = kill_signal_resume(RECIPE, overrides(imagenet, None, *settings), tmp_path, nproc, stop_signal,
-                                 extra_digests=("ema_digest",), mid_write=nproc == 1)
+                                 extra_digests=("ema_digest",), kill="mid-write" if nproc == 1 else "mid-epoch")
     assert summary["steps"] == 2 * 48 // 8
     assert round(summary["metrics"]["eval/top1"] * 15, 6).is_integer()  # a count over all 15 images
     if nproc == 2:

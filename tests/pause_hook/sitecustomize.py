@@ -10,10 +10,12 @@ process started so, and each process that saves (every rank) does this at its fi
   included), rank 0 writes the step to the marker file; then the process waits until SIGTERM or
   SIGUSR1 has reached it, and forever otherwise. The test SIGKILLs it there, or sends the signal,
   after which the run goes on, sees the signal at its next step and stops there;
-* a process started once the marker exists does not pause (a requeued job, say);
-* with PAUSE_MID_WRITE=1 (for ``checkpoint.async_save=true``), the background writer stops in the
-  middle of writing that checkpoint's ``state.pt`` and writes the marker; the training loop goes on
-  until its next save waits for the writer. A SIGKILL then lands in the middle of a real write.
+* with PAUSE_HOW=after-evaluation, the same at the first save of such a step that carries
+  metrics (an epoch's end, saved again with its evaluation);
+* with PAUSE_HOW=mid-write (for ``checkpoint.async_save=true``), the background writer stops in
+  the middle of writing that checkpoint's ``state.pt`` and writes the marker; the training loop
+  goes on until its next save waits for the writer. A SIGKILL then lands in a real write;
+* a process started once the marker exists does not pause (a requeued job, say).
 """
 
 import os
@@ -29,7 +31,8 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
 
     PAUSE_AT = int(os.environ["PAUSE_AT_STEP"])
     MARKER = Path(os.environ["PAUSE_MARKER"])
-    MID_WRITE = os.environ.get("PAUSE_MID_WRITE") == "1"
+    HOW = os.environ.get("PAUSE_HOW", "after-save")
+    MID_WRITE = HOW == "mid-write"
     signalled = threading.Event()
     paused = threading.Event()
     writing_paused_step = threading.local()
@@ -49,8 +52,10 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
 
     real_save = CheckpointManager.save
 
-    def save_then_pause(self: CheckpointManager, step: int, *args: object, **kwargs: object) -> None:
-        if paused.is_set() or step < PAUSE_AT:
+    def save_then_pause(self: CheckpointManager, step: int, state: dict, metrics: dict | None = None,
+                        *args: object, **kwargs: object) -> None:
+        args = (state, metrics, *args)
+        if paused.is_set() or step < PAUSE_AT or (HOW == "after-evaluation" and not metrics):
             real_save(self, step, *args, **kwargs)
             return
         paused.set()
