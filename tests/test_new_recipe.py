@@ -47,9 +47,8 @@ def test_new_recipe_round_trip(tmp_path: Path) -> None:
         assert "recipes.demo_copy.train" in text and "fashion_mnist" not in text, path
 
     # The copy's multi-process tests (and a second single-process chain) are the original's, already
-    # run by this suite; the rest run
-    # here, and so do the suite's checks that every recipe has its cluster files, which pass as they
-    # did before the copy (the copied sbatch file is also linted).
+    # run by this suite; the rest run here, and so do the suite's checks that every recipe has its
+    # cluster files, which pass as they did before the copy (the copied sbatch file is also linted).
     multi_process = [f"--deselect=tests/test_demo_copy.py::{name}" for name in (
         "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact[2-SIGUSR1]",
         "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact[1-SIGUSR1-killed-at-an-epoch-end]",
