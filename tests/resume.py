@@ -26,6 +26,7 @@ the runs' PYTHONPATH): no test here depends on how fast the machine is.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -41,6 +42,7 @@ import pytest
 import torch
 from _pytest.outcomes import Failed
 
+from cluster.processes import descendants
 from common.checkpoint import STATE_FILE, latest_checkpoint
 from common.errors import EXIT_PREEMPTED
 from common.loggers import METRICS_FILE, read_metrics_file
@@ -128,6 +130,15 @@ def wait_for_pause(marker: Path, process: subprocess.Popen) -> int:
             pytest.fail(f"the run did not reach its pause within {DEADLINE_S} s")
         time.sleep(0.05)
     return int(marker.read_text())
+
+
+def kill_leftovers(pids: set[int], marker: Path) -> None:
+    """SIGKILL those of ``pids`` that are still processes of this run (their environment names its
+    pause marker: a pid the system has since given to another process is left alone)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if f"PAUSE_MARKER={marker}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                os.kill(pid, signal.SIGKILL)
 
 
 def saved_state(checkpoint: Path) -> dict:
@@ -232,12 +243,12 @@ def _run_chain(recipe: str, settings: list[str], run_dir: Path, nproc: int, stop
     marker = run_dir.parent / "signalled.paused"
     process = start_recipe(recipe, command, nproc=nproc, env=paused_env(plan.signal_after, marker))
     assert wait_for_pause(marker, process) == plan.signal_after
+    tree = {process.pid, *descendants(process.pid)}
     process.send_signal(stop_signal)
     try:
         output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_run(process)
-        raise
+    finally:  # a launcher that died of the signal leaves its workers behind, paused
+        kill_leftovers(tree, marker)
     assert process.returncode == EXIT_PREEMPTED, f"exit {process.returncode}, expected {EXIT_PREEMPTED}:\n" \
                                                  f"{output[-4000:]}"
     assert [int(found) for found in RESUMED.findall(output)] == [plan.resumed_at], output[-4000:]

@@ -126,18 +126,20 @@ def test_submitit_sweep_requeues_a_signalled_job_which_resumes_to_the_same_diges
         f"hydra.sweep.dir={sweep_dir}", f"data.root={data}", "trainer.epochs=4", "checkpoint.every_steps=1",
         *TINY, "trainer.log_every_steps=1,4",
     ]
-    sweep = subprocess.Popen(command, cwd=REPO, env=clean_env(**slurm_env), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    # The first sweep job waits after its step-2 checkpoint until a stop signal reaches it (the
+    # requeue's SIGTERM), so it cannot finish before the USR2 however fast this machine is.
+    env = {**paused_env(2, tmp_path / "paused", PAUSE_ONLY_IN="trainer.log_every_steps=1"), **slurm_env,
+           "PYTHON": sys.executable}
+    sweep = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 240
-        signalled = None
-        while signalled is None:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "paused").exists():
             assert sweep.poll() is None, sweep.communicate()[0]
-            assert time.monotonic() < deadline, "the first sweep job wrote no checkpoint at step 2 within 240 s"
-            for latest in sweep_dir.rglob("checkpoints/AtomicDirectory.latest_checkpoint"):
-                if "trainer.log_every_steps=1" in str(latest) and latest_step(latest.parent) >= 2:
-                    signalled = latest.parents[1], latest_step(latest.parent)
+            assert time.monotonic() < deadline, "the first sweep job wrote no checkpoint at step 2 within 300 s"
             time.sleep(0.2)
+        (latest,) = [path for path in sweep_dir.rglob("checkpoints/AtomicDirectory.latest_checkpoint")
+                     if "trainer.log_every_steps=1" in str(path)]
+        signalled = latest.parents[1], latest_step(latest.parent)
         first_job = next(sweep_dir.glob(".submitit/*_0")).name  # array task 0: the first sweep point
         subprocess.run(["scancel", "--signal=USR2", first_job], env=clean_env(**slurm_env), check=True)
         output = sweep.communicate(timeout=420)[0]
@@ -156,7 +158,7 @@ def test_submitit_sweep_requeues_a_signalled_job_which_resumes_to_the_same_diges
     assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log and "DUE TO JOB REQUEUE" in log, log
     assert sc.job_restart_count(first_job, env=slurm_env) == 1
     resumed, alone = read_summary(signalled_dir), read_summary(other_dir)
-    assert signalled_at_step < 32 and resumed["steps"] == alone["steps"] == 32
+    assert signalled_at_step == 2 and resumed["steps"] == alone["steps"] == 32
     assert resumed["resumes"] == 1 and alone["resumes"] == 0
     assert resumed["model_digest"] == alone["model_digest"]
 

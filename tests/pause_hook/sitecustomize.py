@@ -15,7 +15,8 @@ process started so, and each process that saves (every rank) does this at its fi
 * with PAUSE_HOW=mid-write (for ``checkpoint.async_save=true``), the background writer stops in
   the middle of writing that checkpoint's ``state.pt`` and writes the marker; the training loop
   goes on until its next save waits for the writer. A SIGKILL then lands in a real write;
-* a process started once the marker exists does not pause (a requeued job, say).
+* a process started once the marker exists does not pause (a requeued job, say), nor does one
+  whose checkpoint directory does not contain PAUSE_ONLY_IN, when that is set (one job of a sweep).
 """
 
 import os
@@ -32,6 +33,7 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
     PAUSE_AT = int(os.environ["PAUSE_AT_STEP"])
     MARKER = Path(os.environ["PAUSE_MARKER"])
     HOW = os.environ.get("PAUSE_HOW", "after-save")
+    ONLY_IN = os.environ.get("PAUSE_ONLY_IN", "")
     MID_WRITE = HOW == "mid-write"
     signalled = threading.Event()
     paused = threading.Event()
@@ -55,7 +57,8 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
     def save_then_pause(self: CheckpointManager, step: int, state: dict, metrics: dict | None = None,
                         *args: object, **kwargs: object) -> None:
         args = (state, metrics, *args)
-        if paused.is_set() or step < PAUSE_AT or (HOW == "after-evaluation" and not metrics):
+        if (paused.is_set() or step < PAUSE_AT or (HOW == "after-evaluation" and not metrics)
+                or ONLY_IN not in str(self.directory)):
             real_save(self, step, *args, **kwargs)
             return
         paused.set()
