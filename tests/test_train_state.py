@@ -63,25 +63,30 @@ def _sums_worker(rank: int, world_size: int, port: int, directory: Path) -> None
         sums = SumMetrics(torch.device("cpu"))
         sums.add(loss=torch.tensor([1.0]) if rank == 0 else torch.tensor([1.0, 2.0, 3.0]), count=1 + 2 * rank)
         totals = sums.reduce()
+        train_state.seed_everything(100 + rank)  # each rank's own random streams
         state = train_state.capture(None, None, None, None, None, train_state.Progress(step=3), sums)
+        expected_draws = draws()
         checkpoints = CheckpointManager(directory)
         checkpoints.save(3, state)
 
         resumed = SumMetrics(torch.device("cpu"))
+        train_state.seed_everything(0)
         train_state.restore(checkpoints.load_latest().state, None, None, None, None, None, resumed)
-        (directory.parent / f"rank{rank}.json").write_text(json.dumps({"before": totals, "after": resumed.reduce()}))
+        (directory.parent / f"rank{rank}.json").write_text(json.dumps(
+            {"before": totals, "after": resumed.reduce(), "same draws": draws() == expected_draws}))
     finally:
         dist.destroy_process_group()
 
 
-def test_partial_metric_sums_of_every_rank_survive_a_resume(tmp_path: Path) -> None:
-    """After a 2-rank resume each rank holds its own partial sums again (not rank 0's twice); on
-    one rank the totals of both are kept."""
+def test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume(tmp_path: Path) -> None:
+    """After a 2-rank resume each rank holds its own partial sums and its own RNG states again
+    (not rank 0's twice); on one rank the totals of both are kept."""
     directory = tmp_path / "checkpoints"
     mp.spawn(_sums_worker, args=(2, free_port(), directory), nprocs=2, join=True)
     for rank in range(2):
         sums = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sums["before"] == sums["after"] == {"count": 4.0, "loss": 7.0}
+        assert sums["same draws"], f"rank {rank} does not draw what it would have drawn without the restart"
 
     one_rank = SumMetrics(torch.device("cpu"))
     train_state.restore(CheckpointManager(directory).load_latest().state, None, None, None, None, None, one_rank)

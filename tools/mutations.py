@@ -107,8 +107,8 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "every-rank-gets-rank-0s-rng", "common/train_state.py",
         "    set_rng_state(rngs[rank] if same_world else rngs[0])", "    set_rng_state(rngs[0])",
-        (f"tests/test_tv_segmentation.py::{CHAIN}[2-SIGTERM]",),
-        "after a multi-rank resume every rank draws rank 0's dropout masks",
+        ("tests/test_train_state.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
+        "after a multi-rank resume every rank continues rank 0's random streams instead of its own",
     ),
     Mutation(
         "grad-scaler-not-restored", "common/train_state.py",
@@ -119,7 +119,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "metric-sums-restored-from-rank-0", "common/train_state.py",
         "            metrics.load_state_dict(saved_sums[rank])", "            metrics.load_state_dict(saved_sums[0])",
-        ("tests/test_train_state.py::test_partial_metric_sums_of_every_rank_survive_a_resume",),
+        ("tests/test_train_state.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
         "training metrics logged after a multi-rank resume count rank 0's partial sums twice",
     ),
     Mutation(
