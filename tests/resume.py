@@ -40,7 +40,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pytest.outcomes import Failed
 
 from cluster.processes import descendants
 from common.checkpoint import STATE_FILE, latest_checkpoint
@@ -205,7 +204,7 @@ def kill_signal_resume(
     try:
         return _run_chain(recipe, settings, tmp_path / "run", nproc, stop_signal, reference, extra_digests, plan,
                           one_rank_eval_overrides, timeout)
-    except (AssertionError, Failed) as error:
+    except (AssertionError, pytest.fail.Exception) as error:
         error.add_note(f"replay with {plan.replay()}")
         raise
 
