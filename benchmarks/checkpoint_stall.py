@@ -1,8 +1,8 @@
 """Checkpoint stall: how long a checkpoint of ResNet-50 + SGD momentum blocks the training loop.
 
 Three ways to save the same state into ``runs/benchmarks/``, where checkpoints normally go
-(``common.train_state.capture`` of a torchvision ResNet-50
-after one SGD step with momentum, so every momentum buffer exists):
+(what ``common.run.TrainingRun`` saves of a torchvision
+ResNet-50 after one SGD step with momentum, so every momentum buffer exists):
 
 * plain ``torch.save`` to a file: no fsync, no digest, not atomic (the baseline of the issue);
 * ``CheckpointManager`` synchronous: write, sha256, fsync, manifest, atomic rename, prune;
@@ -10,7 +10,7 @@ after one SGD step with momentum, so every momentum buffer exists):
   host buffers, the same synchronous sequence runs in a background thread.
 
 Each figure is the median over repeats of the time ``save()`` takes to return. The first
-asynchronous save allocates its staging buffers (page-locked on a GPU) and is reported apart.
+asynchronous save allocates its snapshot buffers (page-locked on a GPU) and is reported apart.
 On a GPU the model and optimizer state live on the GPU, so every save includes the copy to
 the host.
 """
@@ -20,14 +20,16 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torchvision
 
 from benchmarks.results import Result
-from common import train_state
 from common.checkpoint import CheckpointManager
+from common.rng import rng_state
+from common.run import Progress
 
 BENCHMARK = "checkpoint stall (ResNet-50 + SGD momentum)"
 RUNS = Path(__file__).resolve().parents[1] / "runs" / "benchmarks"  # the file system real checkpoints go to
@@ -42,7 +44,8 @@ def resnet50_training_state(device: torch.device) -> dict:
     model(torch.randn(2, 3, 64, 64, device=device)).sum().backward()
     optimizer.step()
     scheduler.step()
-    return train_state.capture(model, optimizer, scheduler, None, None, train_state.Progress(step=1))
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "rng": [rng_state()], "progress": asdict(Progress(step=1))}
 
 
 def state_megabytes(state: dict) -> float:
@@ -90,13 +93,13 @@ def run(quick: bool) -> list[Result]:
             Result(BENCHMARK, f"{device.type}: CheckpointManager, synchronous", sync, "ms",
                    f"loop blocked for the whole atomic, verified write (fsync + sha256); {repeats}"),
             Result(BENCHMARK, f"{device.type}: CheckpointManager, async: loop blocked", blocked, "ms",
-                   f"snapshot into reused host buffers; {repeats}"),
+                   f"snapshot into reused host buffers (HostSnapshot); {repeats}"),
             Result(BENCHMARK, f"{device.type}: async blocked / plain torch.save", 100 * blocked / plain, "%",
                    "target <= 10"),
             Result(BENCHMARK, f"{device.type}: async blocked / synchronous manager save", 100 * blocked / sync, "%",
                    "target <= 10"),
             Result(BENCHMARK, f"{device.type}: first async save: loop blocked", times["async first"][0], "ms",
-                   "allocates the staging buffers (page-locked on a GPU) once per run"),
+                   "allocates the snapshot buffers (page-locked on a GPU) once per run"),
             Result(BENCHMARK, f"{device.type}: async save until written", statistics.median(times["async total"]),
                    "ms", "save() to wait() returning, nothing else running"),
         ]

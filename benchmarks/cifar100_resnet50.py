@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from benchmarks.results import Result
 from common.determinism import configure_determinism
 from common.distributed import init_distributed
-from common.entry import validate_overrides
+from common.entry import compose_config
 from common.precision import autocast
 from data_prep import cifar100_resnet50 as prep
 from data_prep.files import file_digest
@@ -98,7 +98,7 @@ def synthetic_images_per_second(model_name: str, image_size: int, batch_size: in
 
 def recipe_train_seconds(data_root: Path, run_dir: Path, steps: int, overrides: list[str]) -> float:
     """The recipe's own training wall time (``summary.json``'s ``wall_time_s``) for ``steps`` steps."""
-    cfg = validate_overrides("cifar100_resnet50", [
+    cfg = compose_config("cifar100_resnet50", [
         f"data.root={data_root}", f"run_dir={run_dir}", f"trainer.max_steps={steps}",
         "logging.backend=none", "logging.progress_bar=false", "checkpoint.every_seconds=0", *overrides,
     ])

@@ -19,7 +19,6 @@ core: ``trainer.num_workers`` defaults to the cores each rank gets) like these i
 
 from __future__ import annotations
 
-import importlib
 import math
 import tempfile
 import time
@@ -34,8 +33,10 @@ from PIL import Image
 from torch.utils.data import default_collate
 
 from benchmarks.results import Result
-from common.data import PerSampleSeeded, seeded_generator
-from common.entry import validate_overrides
+from common.data import PerSampleSeeded
+from common.entry import compose_config
+from common.image_batches import Normalize, random_crop_and_flip
+from common.rng import seeded_generator
 from recipes.tv_segmentation.coco import voc_palette
 from tools.tiny_data import photo, write_cifar100_tarball, write_fashion_mnist
 
@@ -76,11 +77,6 @@ class Pipeline:
     in_workers: bool  # False: the pipeline runs on the training device
 
 
-def compose(recipe: str, overrides: list[str]) -> Any:
-    importlib.import_module(f"recipes.{recipe}.config")  # registers the recipe's schema
-    return validate_overrides(recipe, overrides)
-
-
 def worker_batches(dataset, batch_size: int, seed: int, collate=default_collate) -> Callable[[int], Any]:
     """Batch ``n`` as a DataLoader worker builds it: per-sample seeded items, then collation."""
     seeded = PerSampleSeeded(dataset, seed)
@@ -88,17 +84,17 @@ def worker_batches(dataset, batch_size: int, seed: int, collate=default_collate)
 
 
 def fashion_mnist(workdir: Path) -> Pipeline:
-    from recipes.fashion_mnist.data import augment, load_split, normalize
+    from recipes.fashion_mnist.data import BLACK, load_split, normalize
     from recipes.fashion_mnist.model import build_model
 
-    cfg = compose("fashion_mnist", [f"data.root={write_fashion_mnist(workdir / 'fm', n_train=4096, n_test=16)}"])
+    cfg = compose_config("fashion_mnist", [f"data.root={write_fashion_mnist(workdir / 'fm', n_train=4096, n_test=16)}"])
     images, _ = load_split(cfg.data.root, "train")
     size = cfg.trainer.batch_size
 
     def batch(n: int) -> torch.Tensor:
         indices = torch.randint(0, len(images), (size,), generator=seeded_generator(images.device, 0, n))
-        return augment(normalize(images[indices]), cfg.data.random_crop_padding, cfg.data.horizontal_flip,
-                       seeded_generator(images.device, 1, n))
+        return random_crop_and_flip(normalize(images[indices]), cfg.data.random_crop_padding,
+                                    cfg.data.horizontal_flip, seeded_generator(images.device, 1, n), fill=BLACK)
 
     return Pipeline(size, batch, build_model(cfg.model), torch.randn(size, 1, 28, 28), False)
 
@@ -106,15 +102,16 @@ def fashion_mnist(workdir: Path) -> Pipeline:
 def cifar100_resnet50(workdir: Path) -> Pipeline:
     import tarfile
 
-    from recipes.cifar100_resnet50.data import TrainAugmentation, load_split
+    from recipes.cifar100_resnet50.data import MEAN, STD, TrainAugmentation, load_split
     from recipes.cifar100_resnet50.model import build_model
 
     root = workdir / "cifar100"
     with tarfile.open(write_cifar100_tarball(workdir / "cifar100.tar.gz", n_train=1024, n_test=16)) as tar:
         tar.extractall(root, filter="data")
-    cfg = compose("cifar100_resnet50", [f"data.root={root}"])
+    cfg = compose_config("cifar100_resnet50", [f"data.root={root}"])
     images, labels = load_split(root, "train")
-    augmentation = TrainAugmentation(cfg.data, cfg.optim.label_smoothing)
+    augmentation = TrainAugmentation(cfg.data, cfg.mixup, cfg.optim.label_smoothing,
+                                     Normalize(MEAN, STD, images.device, input_max=1))
     size = cfg.trainer.batch_size
 
     def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,18 +122,19 @@ def cifar100_resnet50(workdir: Path) -> Pipeline:
 
 
 def dinov2_fsdp(workdir: Path) -> Pipeline:
-    from recipes.dinov2_fsdp.data import augment, to_model_input
+    from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
     from recipes.dinov2_fsdp.model import build_model
 
-    cfg = compose("dinov2_fsdp", ["model.pretrained=false"])
+    cfg = compose_config("dinov2_fsdp", ["model.pretrained=false"])
     images = torch.randint(0, 256, (1024, 3, 32, 32), dtype=torch.uint8)  # CIFAR-100 as the recipe holds it
+    normalize = Normalize(MEAN, STD, images.device, input_max=1)
     size = cfg.trainer.batch_size
 
     def batch(n: int) -> torch.Tensor:
         indices = torch.arange(n * size, (n + 1) * size) % len(images)
-        uint8 = augment(images[indices], cfg.data.random_crop_padding, cfg.data.horizontal_flip,
-                        seeded_generator(images.device, 0, n))
-        return to_model_input(uint8, cfg.model.image_size)
+        uint8 = random_crop_and_flip(images[indices], cfg.data.random_crop_padding, cfg.data.horizontal_flip,
+                                     seeded_generator(images.device, 0, n), reflect=True)
+        return to_model_input(uint8, cfg.model.image_size, normalize)
 
     size_px = cfg.model.image_size
     return Pipeline(size, batch, build_model(cfg.model), torch.randn(2, 3, size_px, size_px), False)
@@ -155,7 +153,7 @@ def timm_imagenet(workdir: Path) -> Pipeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         photo(500, 375, rng).save(path, quality=90)
         paths.append(str(path))
-    cfg = compose("timm_imagenet", [f"data.root={workdir / 'imagenet'}"])
+    cfg = compose_config("timm_imagenet", [f"data.root={workdir / 'imagenet'}"])
     model = timm.create_model(cfg.model.name, pretrained=False)
     data_config = resolve(model, cfg.data.train_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
     dataset = TrainImages(paths, [0] * len(paths), train_augmentation(cfg.data, data_config), cfg.data.decode)
@@ -181,7 +179,7 @@ def tv_segmentation(workdir: Path) -> Pipeline:
         png.putpalette(voc_palette())
         png.save(mask)
         pairs.append((image, mask))
-    cfg = compose("tv_segmentation", [f"data.root={workdir / 'voc'}"])
+    cfg = compose_config("tv_segmentation", [f"data.root={workdir / 'voc'}"])
     dataset = SegmentationDataset(pairs, train_transform(cfg.data), cfg.model.num_classes, augment=True)
     model = torchvision.models.get_model(cfg.model.name, weights=None, weights_backbone=None,
                                          num_classes=cfg.model.num_classes, aux_loss=cfg.model.aux_loss)
@@ -203,7 +201,7 @@ def fungitastic(workdir: Path) -> Pipeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         photo(400, 300, rng).save(path, quality=90)
         paths.append(str(path))
-    cfg = compose("fungitastic", [f"data.root={workdir / 'fungi'}"])
+    cfg = compose_config("fungitastic", [f"data.root={workdir / 'fungi'}"])
     labels = torch.zeros(len(paths), len(cfg.data.ranks), dtype=torch.int64)
     dataset = TrainImages(paths, labels, train_augmentation(cfg.data), cfg.data.decode, cfg.data.draft_decode)
     model = timm.create_model(cfg.model.name, pretrained=False)

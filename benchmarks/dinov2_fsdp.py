@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.results import Result
+from common.image_batches import Normalize
 from common.precision import autocast
-from recipes.dinov2_fsdp.data import to_model_input
+from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
 from recipes.dinov2_fsdp.model import DINOV2_ARCHITECTURES, DinoClassifier
 from recipes.dinov2_fsdp.train import make_optimizer
 
@@ -64,9 +65,9 @@ def build(size: Size, device: torch.device, compile_blocks: bool) -> DinoClassif
 
 
 def train_step(model: DinoClassifier, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor,
-               image_size: int) -> None:
+               image_size: int, normalize: Normalize) -> None:
     with autocast(images.device, "bf16"):
-        logits = model(to_model_input(images, image_size)).float()
+        logits = model(to_model_input(images, image_size, normalize)).float()
     F.cross_entropy(logits, labels).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -79,7 +80,7 @@ def flops_per_step(size: Size, device: torch.device) -> float:
     labels = torch.randint(0, 100, (size.batch_size,), device=device)
     counter = FlopCounterMode(display=False)
     with counter, autocast(device, "bf16"):
-        logits = model(to_model_input(images, size.image_size)).float()
+        logits = model(to_model_input(images, size.image_size, Normalize(MEAN, STD, device, input_max=1))).float()
     with counter:
         F.cross_entropy(logits, labels).backward()
     return float(counter.get_total_flops())
@@ -96,14 +97,15 @@ def measure(size: Size, device: torch.device, compile_blocks: bool, warmup: int,
     optimizer = make_optimizer(model, lr=1e-5, weight_decay=0.05)
     images = torch.randint(0, 256, (size.batch_size, 3, 32, 32), dtype=torch.uint8, device=device)
     labels = torch.randint(0, 100, (size.batch_size,), device=device)
+    normalize = Normalize(MEAN, STD, device, input_max=1)
     for _ in range(warmup):
-        train_step(model, optimizer, images, labels, size.image_size)
+        train_step(model, optimizer, images, labels, size.image_size, normalize)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
-        train_step(model, optimizer, images, labels, size.image_size)
+        train_step(model, optimizer, images, labels, size.image_size, normalize)
     synchronize(device)
     seconds = time.perf_counter() - start
 

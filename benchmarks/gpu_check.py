@@ -281,20 +281,20 @@ def check_recipe(report: Report, recipe: str, overrides: list[str], device: str,
 
 
 def step_lines(train_py: Path) -> tuple[set[int], set[int]]:
-    """Lines of the training step in ``train_py`` (the loop inside ``while not training_done()``
-    that does ``progress.step += 1``) and, within it, the logging and checkpoint branches."""
+    """Lines of the training step in ``train_py`` (the loop over ``run.steps(...)`` whose body calls
+    ``run.step_done``) and, within it, those allowed to sync: the logging branch, and the loop's
+    own line, where the run contract saves between steps (``common/run.py``)."""
     tree = ast.parse(train_py.read_text())
     step: set[int] = set()
     allowed: set[int] = set()
     for loop in ast.walk(tree):
         if not (isinstance(loop, ast.For) and any(
-                isinstance(node, ast.AugAssign) and ast.unparse(node.target) == "progress.step"
-                for node in ast.walk(loop))):
+                isinstance(node, ast.Call) and ast.unparse(node.func) == "run.step_done" for node in ast.walk(loop))):
             continue
         step |= set(range(loop.lineno, loop.end_lineno + 1))
+        allowed |= set(range(loop.iter.lineno, loop.iter.end_lineno + 1))
         for branch in ast.walk(loop):
-            if isinstance(branch, ast.If) and any(key in ast.unparse(branch.test)
-                                                  for key in ("log_every_steps", "decision.")):
+            if isinstance(branch, ast.If) and "log_every_steps" in ast.unparse(branch.test):
                 allowed |= set(range(branch.lineno, branch.end_lineno + 1))
     return step, allowed
 

@@ -32,10 +32,10 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.transforms import v2
 
-from benchmarks.data_throughput import compose
 from benchmarks.results import Result
 from common.config import Decode
 from common.data import PerSampleSeeded
+from common.entry import compose_config
 from common.images import TrainImages, collate_train
 from recipes.tv_segmentation.coco import voc_palette
 from tools.tiny_data import photo
@@ -116,7 +116,7 @@ def timm_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callable]]:
 
     from recipes.timm_imagenet.data import resolve, train_augmentation
 
-    cfg = compose("timm_imagenet", ["data.root=unused"])
+    cfg = compose_config("timm_imagenet", ["data.root=unused"])
     with torch.device("meta"):
         import timm
 
@@ -138,7 +138,7 @@ def timm_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callable]]:
 def fungitastic_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callable]]:
     from recipes.fungitastic.data import train_augmentation
 
-    cfg = compose("fungitastic", ["data.root=unused"])
+    cfg = compose_config("fungitastic", ["data.root=unused"])
     size = cfg.data.image_size
     before = v2.Compose([v2.RandomResizedCrop(size, scale=(cfg.data.crop_scale_min, 1.0), antialias=True),
                          v2.RandAugment(num_ops=cfg.data.randaugment_ops, magnitude=cfg.data.randaugment_magnitude)])
@@ -155,7 +155,7 @@ def fungitastic_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callabl
 def tv_segmentation_pipelines(images: list[str], masks: list[str]) -> dict[str, tuple[Dataset, Callable]]:
     from recipes.tv_segmentation.data import MEAN, STD, SegmentationDataset, pad_collate, train_transform
 
-    cfg = compose("tv_segmentation", ["data.root=unused"])
+    cfg = compose_config("tv_segmentation", ["data.root=unused"])
     uint8 = train_transform(cfg.data)
     before = A.Compose([*uint8.transforms[:-1], A.Normalize(MEAN, STD), ToTensorV2()])
     pairs = list(zip(map(Path, images), map(Path, masks)))

@@ -28,14 +28,14 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from benchmarks.results import Result
-from common.data import seeded_generator
 from common.determinism import configure_determinism
 from common.distributed import init_distributed
-from common.entry import validate_overrides
+from common.entry import compose_config
 from common.loggers import RunLogger
 from common.metrics import SumMetrics
 from common.optim import param_groups, warmup_cosine
-from common.preemption import CheckpointCadence, Decision, StopFlag
+from common.rng import seeded_generator
+from common.run import CheckpointCadence, Decision, StopSignals
 from common.sampler import ResumableDistributedSampler
 from recipes.fashion_mnist import train as recipe
 from recipes.fashion_mnist.data import load_split, normalize
@@ -79,15 +79,15 @@ class BareLoop:
         self.next_batch += count
 
 
-def interleaved_cadence(on_segment: Callable[[int], None]) -> type[CheckpointCadence]:
-    """The recipe's cadence class with a probe that runs at every step's end."""
+def probed_after_step(on_step: Callable[[int], None]) -> Callable[[CheckpointCadence, int], Decision]:
+    """The run contract's cadence check with a probe that runs first, at every step's end."""
+    after_step = CheckpointCadence.after_step
 
-    class ProbedCadence(CheckpointCadence):
-        def after_step(self, step: int) -> Decision:
-            on_segment(step)
-            return super().after_step(step)
+    def probed(cadence: CheckpointCadence, step: int) -> Decision:
+        on_step(step)
+        return after_step(cadence, step)
 
-    return ProbedCadence
+    return probed
 
 
 class Clocks:
@@ -104,7 +104,7 @@ def measure(device_name: str, pairs: int, batch_size: int, workdir: Path) -> dic
     """Milliseconds per step of interleaved recipe and bare segments, by wall clock and CPU time."""
     steps = WARMUP_STEPS + pairs * SEGMENT + 1
     data = write_fashion_mnist(workdir / "data", n_train=(steps + 2) * batch_size, n_test=batch_size)
-    cfg = validate_overrides("fashion_mnist", [
+    cfg = compose_config("fashion_mnist", [
         f"data.root={data}", f"run_dir={workdir / 'run'}", f"device={device_name}", "trainer.epochs=1",
         f"trainer.batch_size={batch_size}",
         f"trainer.max_steps={steps}", f"trainer.log_every_steps={SEGMENT}", "checkpoint.every_steps=0",
@@ -135,7 +135,7 @@ def measure(device_name: str, pairs: int, batch_size: int, workdir: Path) -> dic
         segment = Clocks()
 
     quiet = io.StringIO()
-    with mock.patch.object(recipe, "CheckpointCadence", interleaved_cadence(on_step)), \
+    with mock.patch.object(CheckpointCadence, "after_step", probed_after_step(on_step)), \
             contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         recipe.train(cfg, dist_info)
     return times
@@ -148,8 +148,8 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int, l
     loss = F.cross_entropy(logits, labels)
     sampler = ResumableDistributedSampler(10**9)
     sums = SumMetrics(device)
-    stop_flag = StopFlag()
-    cadence = CheckpointCadence(0, 1e9, 10, stop_flag)
+    stop_signals = StopSignals()
+    cadence = CheckpointCadence(0, 1e9, 10, stop_signals)
     logger = RunLogger("none", log_dir, True, "bench", progress_bar=False)
     bar = logger.progress(steps, 0, "bookkeeping")
     synchronize(device)
@@ -165,7 +165,7 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int, l
         cadence.after_step(step)
     synchronize(device)
     elapsed = time.perf_counter() - start
-    stop_flag.restore()
+    stop_signals.restore()
     logger.close()
     return elapsed * 1e6 / steps
 

@@ -1,7 +1,7 @@
 """Resume cost: wall time from process start to the end of the first training step.
 
 Every figure comes from a real ``python -m recipes.<r>.train``-equivalent subprocess: the
-recipe's ``main()`` runs unchanged, with a probe in its checkpoint cadence check that prints
+recipe's ``main()`` runs unchanged, with a probe in the run contract's cadence check that prints
 the time when the first step has finished and then ends the process. The parent takes the
 time just before spawning it, so a figure covers interpreter start, imports, config checking,
 data loading, model set-up and, when resuming, finding, verifying (sha256) and loading the
@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 PROBE = """
 import os, sys, time
 import torch
-from common.preemption import CheckpointCadence
+import common.run
+from common.run import CheckpointCadence
 import recipes.{recipe}.train as recipe
 
 exit_after, steps_seen = int(sys.argv[1]), 0
@@ -53,7 +54,7 @@ class FirstStepProbe(CheckpointCadence):
             os._exit(0)
         return super().after_step(step)
 
-recipe.CheckpointCadence = FirstStepProbe
+common.run.CheckpointCadence = FirstStepProbe
 sys.argv = [recipe.__file__, *sys.argv[2:]]
 recipe.main()
 """

@@ -76,14 +76,13 @@ def check_gpus(nproc_per_node: int, backend: str, min_free_gib: float = 1.0) -> 
 
 def check_config(recipe: str, overrides: list[str]) -> str:
     """The recipe's config composes and resolves with these overrides (the typed schema checks them)."""
-    from common.entry import validate_overrides
+    from common.entry import compose_config
     from common.errors import UserError
 
     if recipe not in recipes():
         raise CheckFailed(f"unknown recipe {recipe!r}; recipes: {', '.join(recipes())}")
     try:
-        importlib.import_module(f"recipes.{recipe}.config")  # registers the recipe's schema
-        cfg = validate_overrides(recipe, overrides)
+        cfg = compose_config(recipe, overrides)
     except (UserError, ImportError) as error:
         raise CheckFailed(f"config {recipe}: {error}") from error
     return f"{recipe} config resolves (run_dir {cfg.run_dir})"
@@ -91,9 +90,9 @@ def check_config(recipe: str, overrides: list[str]) -> str:
 
 def check_data(recipe: str, overrides: list[str]) -> str:
     """The recipe's data root exists (its contents are checked by the recipe itself)."""
-    from common.entry import validate_overrides
+    from common.entry import compose_config
 
-    root = Path(validate_overrides(recipe, overrides).data.root)
+    root = Path(compose_config(recipe, overrides).data.root)
     if not root.exists():
         has_prep = (REPO / "data_prep" / f"{recipe}.py").is_file()
         how = f"make prep-{recipe}" if has_prep else f"see recipes/{recipe}/README.md"

@@ -23,7 +23,6 @@ Any other failure is reported as torchrun reports it.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import sys
@@ -34,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
-from common.entry import EXIT_CODE_DIR, fail, split_argv, validate_overrides
+from common.entry import EXIT_CODE_DIR, compose_config, fail
 from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -44,20 +43,14 @@ RECIPE_MODULE = re.compile(r"^recipes\.(\w+)\.train$")
 
 def check_overrides(module: str, script_args: list[str]) -> None:
     """Compose the recipe's config with the overrides, as each worker would; one line and exit 2 if
-    they are bad. A module that is not a recipe is left to torchrun."""
+    they are bad. A module that is not a recipe, and Hydra's own flags (sweeps, ``--cfg``), are
+    left to torchrun's workers."""
     match = RECIPE_MODULE.match(module)
-    if match is None:
+    if match is None or any(arg.startswith("-") for arg in script_args):
         return
-    recipe = match.group(1)
+    overrides = [arg for arg in script_args if not arg.lstrip("+~").startswith("hydra")]
     try:
-        importlib.import_module(f"recipes.{recipe}.config")  # registers the schema
-    except ModuleNotFoundError:
-        return  # torchrun's workers report the missing module
-    config_name, overrides, sweep = split_argv(script_args, recipe)
-    if sweep:
-        return
-    try:
-        validate_overrides(config_name, overrides)
+        compose_config(match.group(1), overrides)
     except UserError as error:
         fail(str(error))
 

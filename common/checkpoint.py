@@ -49,6 +49,7 @@ import shutil
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,7 @@ def _file_digest(path: Path) -> str:
     return sha.hexdigest()
 
 
-class HostStaging:
+class HostSnapshot:
     """Host-memory copies of a state for background writes, in buffers reused from save to save.
 
     The first snapshot allocates one buffer per tensor (page-locked when the tensor is on a
@@ -257,9 +258,44 @@ class HostStaging:
         return buffer
 
 
-def snapshot_to_cpu(obj: Any) -> Any:
-    """A deep copy of ``obj`` with every tensor copied to host memory (for background writes)."""
-    return HostStaging().snapshot(obj)
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in ``obj`` (nested dicts, lists, tuples); of a sharded tensor
+    (a DTensor), its whole size, which is what the checkpoint of all ranks holds."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(value) for value in obj)
+    return 0
+
+
+def readable_size(size: float) -> str:
+    """``size`` bytes as 40 B, 3.2 kB, 97.5 MB, 1.2 GB."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError behind ``error``: itself, a cause, or one rank's failure in a
+    ``torch.distributed.checkpoint`` exception (which wraps each rank's exception)."""
+    seen: list[BaseException] = []
+    pending: list[BaseException] = [error]
+    while pending:
+        current = pending.pop(0)
+        if current is None or any(current is earlier for earlier in seen):
+            continue
+        seen.append(current)
+        if isinstance(current, OSError):
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            pending += [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+        pending += [current.__cause__, current.__context__]
+    return None
 
 
 
@@ -275,14 +311,22 @@ class CheckpointError(Exception):
     """A checkpoint that is incomplete or whose content does not match its manifest."""
 
 
+class CheckpointWriteError(UserError):
+    """A checkpoint that could not be written (a full disk, a quota, a permission). Its partial
+    directory is removed; the earlier checkpoints stay valid, and the run resumes from them."""
+
+
 class CheckpointManager:
     """Saves and finds checkpoints in one directory; safe to use from every rank.
 
     Rank 0 writes ``state.pt``; with ``sharded_state`` every rank writes its shard through
-    ``torch.distributed.checkpoint``. With ``async_save=True`` the state is copied to host
-    memory and written by a background thread, at most one save in flight; the write is the
-    same atomic sequence, so a crash during it leaves the previous checkpoint as the latest.
-    Call :meth:`wait` before the process exits: the writer is a daemon thread.
+    ``torch.distributed.checkpoint``. With ``async_save=True`` the state (and each rank's shards)
+    is copied to host memory and written in the background, at most one save in flight; the
+    write is the same atomic sequence, so a crash during it leaves the previous checkpoint as the
+    latest. A save that fails for an OS error (a full disk) removes its partial directory and
+    raises :class:`CheckpointWriteError` on every rank, from ``save`` or, for a background save,
+    from the next :meth:`wait`. Call :meth:`wait` before the process exits: the writer is a
+    daemon thread.
     """
 
     def __init__(
@@ -307,10 +351,15 @@ class CheckpointManager:
         self.async_save = async_save
         self.log = log
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
-        self._staging = HostStaging()
+        self._snapshots = HostSnapshot()
         self._thread: threading.Thread | None = None
+        self._shards_written: Future | None = None  # this rank's background shard write (sharded async saves)
+        self._background_size = 0  # bytes of the save in flight, for the message if it fails
         self._error: BaseException | None = None
         self._best_value: float | None = None
+        # Background shard writes agree over a gloo group of their own: their collectives run in
+        # another thread than the training loop's, and must not interleave with them.
+        self._shard_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         next_index = None
         if self.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -320,19 +369,6 @@ class CheckpointManager:
             best = self.best()
             self._best_value = best.metrics[self.best_metric] if best is not None else None
         self._next_index: int = distributed.broadcast_object(next_index)
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> CheckpointManager:
-        """From a recipe's ``checkpoint`` node (:class:`common.config.CheckpointConfig`). In the
-        ISC's ``CHECKPOINT_ARTIFACT_PATH`` nothing is pruned: the ISC deletes what it does not ship."""
-        return cls(
-            cfg.dir,
-            keep_last=KEEP_ALL if is_artifact_path(cfg.dir) else cfg.keep_last,
-            keep_best=cfg.keep_best,
-            best_metric=cfg.best_metric,
-            best_mode=cfg.best_mode,
-            async_save=cfg.async_save,
-        )
 
     def _remove_uncommitted(self) -> None:
         """Half-written saves, a stale temporary symlink, and directories above the symlink's
@@ -365,42 +401,66 @@ class CheckpointManager:
         milestone: str | None = None,
     ) -> None:
         """Write a checkpoint of ``step``. Blocks until it is committed unless ``async_save`` is on.
+        Collective: every rank calls it.
 
         ``milestone`` (e.g. "end of linear probe") names a checkpoint that must be kept: it is
-        ``_force`` and never pruned. With ``async_save`` (and no ``sharded_state``, which is always
-        written synchronously) it waits for the previous background save, copies ``state`` to host
-        memory and returns; :meth:`wait` (or the next save or load) blocks until it is committed.
+        ``_force`` and never pruned. With ``async_save`` it waits for the previous background save,
+        copies ``state`` and this rank's ``sharded_state`` to host memory and returns; :meth:`wait`
+        (or the next save or load) blocks until it is committed.
         """
         self.wait()
         metrics = dict(metrics or {})
         index = self._next_index
         self._next_index += 1
         tmp = self.directory / f"{TMP_PREFIX}checkpoint_{index}"
+        size = tensor_bytes(state) + tensor_bytes(sharded_state)
+        failure = None
         if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        distributed.barrier()
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as error:
+                failure = self._write_failure(error, size)
+        self._raise_if_any_rank_failed(failure)  # also the barrier before every rank writes into tmp
+        force = self._is_new_best(metrics) or milestone is not None if self.is_main else False
+        final = self.directory / checkpoint_dir_name(index, force)
+        manifest = {"format": 2, "step": step, "metrics": metrics, "milestone": milestone}
+        if self.async_save:
+            self._save_in_background(tmp, final, state, sharded_state, manifest, size)
+            return
+        try:
+            if sharded_state is not None:
+                import torch.distributed.checkpoint as dcp
+
+                dcp.save(sharded_state, checkpoint_id=str(tmp / SHARDED_DIR))
+            if self.is_main:
+                self._write(tmp, final, state, manifest)
+        except BaseException as error:  # torch.distributed.checkpoint raises a BaseException subclass
+            if os_error_in(error) is None:
+                raise
+            failure = self._write_failure(error, size, tmp, final)
+        self._raise_if_any_rank_failed(failure)
+
+    def _save_in_background(self, tmp: Path, final: Path, state: dict[str, Any], sharded_state: dict[str, Any] | None,
+                            manifest: dict[str, Any], size: int) -> None:
+        """Copy what this rank saves to host memory (all the loop waits for) and write it in the
+        background: each rank its shards, then rank 0 the rest and the commit."""
+        self._background_size = size
         if sharded_state is not None:
             import torch.distributed.checkpoint as dcp
 
-            dcp.save(sharded_state, checkpoint_id=str(tmp / SHARDED_DIR))
-            distributed.barrier()
+            written = dcp.async_save(sharded_state, checkpoint_id=str(tmp / SHARDED_DIR),
+                                     process_group=self._shard_group)
+            self._shards_written = getattr(written, "upload_completion", written)  # newer releases wrap the future
         if not self.is_main:
-            distributed.barrier()
             return
-        force = self._is_new_best(metrics) or milestone is not None
-        final = self.directory / checkpoint_dir_name(index, force)
-        manifest = {"format": 2, "step": step, "metrics": metrics, "milestone": milestone}
-        if self.async_save and sharded_state is None:
-            snapshot = self._staging.snapshot(state)  # the only part of an async save the loop waits for
-            self._thread = threading.Thread(
-                target=self._write_in_background, args=(tmp, final, snapshot, manifest), name="checkpoint-writer",
-                daemon=True,
-            )
-            self._thread.start()
-        else:
-            self._write(tmp, final, state, manifest)
-        distributed.barrier()
+        snapshot = self._snapshots.snapshot(state)
+        shards_written, self._shards_written = self._shards_written, None
+        self._thread = threading.Thread(
+            target=self._write_in_background, args=(tmp, final, snapshot, manifest, size, shards_written),
+            name="checkpoint-writer", daemon=True,
+        )
+        self._thread.start()
 
     def _is_new_best(self, metrics: dict[str, float]) -> bool:
         """Whether ``metrics`` beat every earlier checkpoint's (then it is the new best)."""
@@ -413,11 +473,15 @@ class CheckpointManager:
         self._best_value = value
         return True
 
-    def _write_in_background(self, tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any]) -> None:
+    def _write_in_background(self, tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any],
+                             size: int, shards_written: Future | None) -> None:
         try:
+            if shards_written is not None:
+                shards_written.result()  # every rank's shards are on disk (the write's last step is collective)
             self._write(tmp, final, state, manifest)
         except BaseException as error:  # reported by the next wait()
-            self._error = error
+            self._error = CheckpointWriteError(self._write_failure(error, size, tmp, final)) \
+                if os_error_in(error) is not None else error
 
     def _write(self, tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any]) -> None:
         files: dict[str, dict[str, Any]] = {}
@@ -445,6 +509,31 @@ class CheckpointManager:
         self._point_latest_at(final)
         self._prune()
 
+    def _write_failure(self, error: BaseException, size: int, tmp: Path | None = None,
+                       final: Path | None = None) -> str:
+        """Remove what a failed save left (its directory, never committed) and say in one line why
+        it failed and what a checkpoint needs."""
+        if self.is_main:
+            for partial in (tmp, final):
+                if partial is not None and latest_name(self.directory) != partial.name:
+                    shutil.rmtree(partial, ignore_errors=True)
+            (self.directory / LATEST_TEMP).unlink(missing_ok=True)
+        os_error = os_error_in(error)
+        cause = (os_error.strerror or str(os_error)) if os_error is not None else str(error).splitlines()[0]
+        try:
+            free = f", {readable_size(shutil.disk_usage(self.directory).free)} free there"
+        except OSError:
+            free = ""
+        return (f"could not write a checkpoint to {self.directory}: {cause} (a checkpoint needs about "
+                f"{readable_size(size)}{free}); the earlier checkpoints are intact")
+
+    def _raise_if_any_rank_failed(self, failure: str | None) -> None:
+        """Raise :class:`CheckpointWriteError` on every rank when a save failed on any rank, so
+        that none of them waits for the others in a later collective. Collective."""
+        failures = [message for message in distributed.all_gather_object(failure) if message is not None]
+        if failures:
+            raise CheckpointWriteError(failures[0])
+
     def _point_latest_at(self, final: Path) -> None:
         """Move the symlink the way AtomicDirectory does: a new link, then ``os.replace``."""
         temp = self.directory / LATEST_TEMP
@@ -454,13 +543,26 @@ class CheckpointManager:
         _fsync_dir(self.directory)
 
     def wait(self) -> None:
-        """Block until a background save is committed; re-raise its error if it failed."""
+        """Block until a background save is committed; if it failed on any rank, raise on every
+        rank (:class:`CheckpointWriteError` for an OS error such as a full disk). Collective."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
+        if self._shards_written is not None:
+            try:
+                self._shards_written.result()
+            except BaseException as error:  # torch.distributed.checkpoint raises a BaseException subclass
+                self._error = error
+            self._shards_written = None
+        error, self._error = self._error, None
+        failure = None
+        if isinstance(error, CheckpointWriteError):
+            failure = str(error)
+        elif error is not None and os_error_in(error) is not None:
+            failure = self._write_failure(error, self._background_size)
+        elif error is not None:
             raise RuntimeError(f"background checkpoint save failed: {error}") from error
+        self._raise_if_any_rank_failed(failure)
 
     # --------------------------------------------------------------- retention
 

@@ -1,8 +1,13 @@
 """Config schema pieces every recipe shares (Hydra structured configs).
 
-Each recipe composes these into its own top-level dataclass in ``recipes/<r>/config.py`` and
-registers it in Hydra's ConfigStore; ``conf/<r>.yaml`` then only sets values. Because the
-schema is typed, an unknown key or a value of the wrong type fails before any work.
+Each recipe composes these into its own top-level dataclass in ``recipes/<r>/config.py``, which
+holds every default of the recipe: its own nodes' field defaults, and the values it gives the
+shared nodes (``trainer``, ``checkpoint``) where they differ from the defaults here.
+``common.entry.recipe_main`` registers that dataclass with Hydra; ``conf/<r>.yaml`` composes it
+with the shared run layout and sets no values. Because the schema is typed, an unknown key or
+a value of the wrong type fails before any work. The same idea has the same key in every recipe:
+``ema.*``, ``mixup.*``, ``optim.label_smoothing``, ``trainer.eval_batch_size``, and ``eval/top1``
+for top-1 accuracy.
 """
 
 from __future__ import annotations
@@ -46,12 +51,13 @@ class TrainerConfig:
     epochs: int = 10
     max_steps: int = 0  # stop after this many optimizer steps; 0 = run all epochs
     batch_size: int = 128  # per rank, per micro-batch
+    eval_batch_size: int = 128  # per rank, for evaluation (no gradients: often larger)
     global_batch_size: int = 0  # 0: batch_size x ranks; else kept fixed via gradient accumulation
     lr_scaling: LRScaling = LRScaling.none
     lr_reference_batch_size: int = 256  # the batch size the configured LR was tuned for
     precision: Precision = Precision.fp32
     grad_clip_norm: float = 0.0  # 0 = no clipping
-    log_every_steps: int = 50
+    log_every_steps: int = 50  # train metrics; without a terminal, also a progress line
     eval_every_epochs: int = 1
     compile: bool = False
     # Deterministic kernels, no cuDNN autotuning: on a GPU a resumed run then ends bit-identical to an
@@ -70,7 +76,7 @@ class CheckpointConfig:
     sync_every_steps: int = 10  # how often ranks agree on time/signal triggers
     keep_last: int = 2  # newest steps kept; ignored in CHECKPOINT_ARTIFACT_PATH, where the ISC does the deleting
     keep_best: bool = True  # the best by best_metric is kept, as a _force directory (the ISC always ships those)
-    best_metric: str = "eval/accuracy"
+    best_metric: str = "eval/top1"
     best_mode: Mode = Mode.max
     async_save: bool = False
     resume: bool = True
@@ -81,9 +87,30 @@ class LoggingConfig:
     backend: LogBackend = LogBackend.tensorboard
     # On the ISC, LOSSY_ARTIFACT_PATH is where TensorBoard logs must go.
     dir: str = "${oc.env:LOSSY_ARTIFACT_PATH,${run_dir}/tensorboard}"
-    progress_bar: bool = True
+    progress_bar: bool = True  # a bar on a terminal; otherwise (SLURM, ISC logs) a line every trainer.log_every_steps
     wandb_project: str = "training-recipes"
     wandb_mode: str = "offline"
+
+
+@dataclass
+class EmaConfig:
+    """An exponential moving average of the weights (timm's ``ModelEmaV3``), checkpointed, and
+    evaluated beside the model as ``eval_ema/*``."""
+
+    enabled: bool = False
+    decay: float = 0.9998  # per optimizer step
+    warmup: bool = False  # timm's decay warmup (lower decay early in training)
+
+
+@dataclass
+class MixupConfig:
+    """timm's Mixup/CutMix; both alphas 0 = off."""
+
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    prob: float = 1.0  # probability of mixing a batch (or element)
+    switch_prob: float = 0.5  # probability of CutMix instead of Mixup when both are on
+    mode: str = "batch"  # batch | pair | elem
 
 
 @dataclass

@@ -9,58 +9,15 @@ uninterrupted run. :class:`PerSampleSeeded` makes each sample's randomness a fun
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
 import os
-import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from common.rng import seeded_global_rng
 from common.sampler import ResumableDistributedSampler
-
-
-@functools.cache
-def channel_constants(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """``values`` as a ``[1, C, 1, 1]`` float tensor on ``device``, made once per device and
-    reused: making it per batch would copy from the host and synchronise with the GPU each time."""
-    return torch.tensor(values, device=device).view(1, -1, 1, 1)
-
-
-def sample_seed(*keys: int) -> int:
-    """A 63-bit seed that depends only on ``keys`` (e.g. seed, epoch, index)."""
-    digest = hashlib.blake2b(":".join(map(str, keys)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
-    """A generator for batch-level augmentation seeded from ``keys`` (e.g. seed, step, rank),
-    so a resumed run draws exactly what the uninterrupted run drew at that step."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(sample_seed(*keys))
-    return generator
-
-
-@contextlib.contextmanager
-def seeded_global_rng(*keys: int) -> Iterator[None]:
-    """Seed Python's, NumPy's and torch's CPU global generators from ``keys`` for the block, and
-    restore them after it: for library code that draws only from global state (timm's Mixup,
-    torchvision's RandAugment), so that a resumed run draws what the uninterrupted run drew."""
-    seed = sample_seed(*keys)
-    py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that reseeds CUDA too
-        try:
-            yield
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
 
 
 class PerSampleSeeded(Dataset):

@@ -1,46 +1,49 @@
 """The entry point every recipe uses: Hydra main + typed schema + one-line errors.
 
 ``python -m recipes.<r>.train [overrides]`` behaves the same alone or under torchrun:
-* the overrides are checked against the recipe's schema first, so an unknown key or a value
-  of the wrong type ends with one line on stderr and exit code 2, before any work;
-* Hydra's own flags (``--cfg job``, ``--help``, ``-m`` sweeps with a launcher) work as usual;
-* a :class:`~common.errors.UserError` raised by the recipe ends the same way;
+* the recipe's schema (its ``RunConfig`` dataclass) is registered with Hydra by :func:`recipe_main`,
+  and Hydra composes the config once, checking every override against it;
+* a bad override (an unknown key, a value of the wrong type, a missing interpolation) ends with
+  one line on stderr and exit code 2, before any work; so does a :class:`~common.errors.UserError`
+  raised by the recipe. Hydra is told to raise its errors (``HYDRA_FULL_ERROR=1``, its documented
+  switch) instead of printing them with a stack trace, so the line is made here;
 * SIGTERM/SIGUSR1 end with exit code 75 once the recipe has written its checkpoint; under
   ``cluster/torchrun.py`` each worker also records its exit code for the launcher (torchrun
   itself turns any worker's non-zero exit into its own exit code 1);
-* the run directory is the deterministic ``run_dir`` (in a sweep: the sweep directory plus
-  the job's overrides), so a restarted job finds its checkpoints.
+* Hydra's own flags work as usual (``--help``, ``-m`` sweeps with a launcher); ``--cfg job``
+  prints the config resolved, as the run will see it;
+* the run directory is the deterministic ``run_dir`` (in a sweep: the sweep directory plus the
+  job's overrides), so a restarted job finds its checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from common import distributed
+from common.config import RunConfig
+from common.determinism import configure_determinism
+from common.distributed import DistInfo
 from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, Preempted, UserError
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONFIG_ERRORS = (HydraException, OmegaConfBaseException, ValueError)  # ValueError: a value no schema type takes
 EXIT_CODE_DIR = "RECIPES_EXIT_CODE_DIR"
 """Set by ``cluster/torchrun.py``: the folder where each worker records why it stopped (a file per rank)."""
-
-# Hydra flags that take a value in the next argument.
-_FLAGS_WITH_VALUE = {
-    "--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--cfg", "-c", "--package", "-p",
-    "--experimental-rerun",
-}
-_INFO_FLAGS = {"--info", "-i"}
-_INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
-_SWEEP_FLAGS = {"-m", "--multirun"}
 
 
 def record_exit_code(code: int) -> None:
@@ -65,7 +68,7 @@ def user_message(error: UserError) -> str:
     return last[len(prefix) :] if "\n" in text and last.startswith(prefix) else text
 
 
-def _first_line(error: BaseException) -> str:
+def config_error_line(error: BaseException) -> str:
     """The most specific message of a Hydra/OmegaConf error chain, on one line."""
     messages = []
     while error is not None:
@@ -76,53 +79,87 @@ def _first_line(error: BaseException) -> str:
     return ": ".join(list(dict.fromkeys(messages))[:2]) or "invalid configuration"
 
 
-def split_argv(argv: list[str], config_name: str) -> tuple[str, list[str], bool]:
-    overrides, sweep, previous = [], False, ""
-    args = iter(argv)
-    for arg in args:
-        if arg in _INFO_FLAGS or (previous in _INFO_FLAGS and arg in _INFO_TOPICS):
-            pass
-        elif arg in _SWEEP_FLAGS:
-            sweep = True
-        elif arg in ("--config-name", "-cn"):
-            config_name = next(args, config_name)
-        elif arg in _FLAGS_WITH_VALUE:
-            next(args, None)
-        elif arg.startswith("--config-name="):
-            config_name = arg.split("=", 1)[1]
-        elif not arg.startswith("-") and not arg.lstrip("+~").startswith("hydra"):
-            overrides.append(arg)
-        previous = arg
-    return config_name, overrides, sweep
+def schema_name(recipe: str) -> str:
+    """The name a recipe's schema has in Hydra's ConfigStore; ``conf/<recipe>.yaml`` lists it first."""
+    return f"{recipe}_schema"
 
 
-def _prints_job_config(argv: list[str]) -> bool:
-    """``--cfg job`` (the job's config only: Hydra's own config cannot be resolved outside a run)."""
-    return any(flag in ("--cfg", "-c") and value == "job" for flag, value in zip(argv, argv[1:]))
+def register_schema(schema: type[RunConfig]) -> str:
+    """Store ``schema`` in Hydra's ConfigStore under :func:`schema_name`; return its recipe."""
+    recipe = schema.recipe
+    ConfigStore.instance().store(name=schema_name(recipe), node=schema)
+    return recipe
 
 
-def validate_overrides(config_name: str, overrides: list[str]) -> DictConfig:
-    """Compose and resolve the config; a bad override is a one-line :class:`UserError`."""
+def recipe_schema(recipe: str) -> type[RunConfig]:
+    """The schema of ``recipe``: the ``RunConfig`` dataclass of ``recipes/<recipe>/config.py``."""
+    try:
+        module = importlib.import_module(f"recipes.{recipe}.config")
+    except ModuleNotFoundError as error:
+        raise UserError(f"there is no recipe {recipe!r} (recipes/{recipe}/config.py is missing)") from error
+    for value in vars(module).values():
+        if isinstance(value, type) and issubclass(value, RunConfig) and getattr(value, "recipe", None) == recipe:
+            return value
+    raise UserError(f"recipes/{recipe}/config.py defines no RunConfig dataclass whose recipe is {recipe!r}")
+
+
+def check_resolves(cfg: DictConfig) -> None:
+    """Every value of ``cfg`` resolves (interpolations, environment variables, no ``???`` left)."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except CONFIG_ERRORS as error:
+        raise UserError(config_error_line(error)) from error
+
+
+def compose_config(recipe: str, overrides: list[str]) -> DictConfig:
+    """The config ``python -m recipes.<recipe>.train *overrides`` would run with, resolvable, for
+    tools and tests; a bad override is a one-line :class:`UserError`."""
+    register_schema(recipe_schema(recipe))
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=overrides)
-        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except (HydraException, OmegaConfBaseException, ValueError) as error:
-        raise UserError(_first_line(error)) from error
+            cfg = compose(config_name=recipe, overrides=overrides)
+    except CONFIG_ERRORS as error:
+        raise UserError(config_error_line(error)) from error
+    check_resolves(cfg)
     return cfg
 
 
-def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], None]]:
-    """Decorate a recipe's ``main(cfg)``; the result takes its arguments from ``sys.argv``."""
+def _print_job_config_resolved() -> None:
+    """Make ``--cfg job`` print the config as the run will see it (Hydra's ``--resolve``), read
+    with Hydra's own argument parser. (Hydra's own config cannot be resolved outside a run.)"""
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(sys.argv[1:])
+    if args.cfg == "job" and not args.resolve:
+        sys.argv.append("--resolve")
+
+
+@contextlib.contextmanager
+def training_process(cfg: DictConfig, **process_group: Any) -> Iterator[DistInfo]:
+    """This process set up to train ``cfg``: PyTorch's determinism and speed switches (before CUDA
+    starts), then its device and process group (``common.distributed.init_distributed``, which
+    ``process_group``'s options go to); the group is destroyed at the end."""
+    configure_determinism(cfg.trainer.deterministic, cfg.device)
+    dist_info = distributed.init_distributed(cfg.device, **process_group)
+    try:
+        yield dist_info
+    finally:
+        distributed.shutdown_distributed()
+
+
+def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[DictConfig], Any]], Callable[[], None]]:
+    """Decorate a recipe's ``main(cfg)`` with its schema; the result takes its arguments from
+    ``sys.argv``, composes ``conf/<recipe>.yaml`` and runs ``main`` with it."""
 
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], None]:
         import hydra
 
-        @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)
+        @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=schema.recipe)
         def hydra_task(cfg: DictConfig) -> Any:
             if HydraConfig.get().mode == RunMode.MULTIRUN:
                 cfg.run_dir = HydraConfig.get().runtime.output_dir
             try:
+                check_resolves(cfg)
                 return task(cfg)
             except UserError as error:
                 fail(user_message(error))
@@ -130,17 +167,21 @@ def recipe_main(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Cal
                 print(f"{stop}; exiting with code {EXIT_PREEMPTED} (run again to resume)", flush=True)
                 record_exit_code(EXIT_PREEMPTED)
                 sys.exit(EXIT_PREEMPTED)
+            except CONFIG_ERRORS as error:  # a bug in the recipe, not a bad override: keep its traceback
+                error.raised_by_recipe = True
+                raise
 
         def main() -> None:
-            if _prints_job_config(sys.argv) and "--resolve" not in sys.argv:
-                sys.argv.append("--resolve")  # print the config as the run will see it
-            name, overrides, sweep = split_argv(sys.argv[1:], config_name)
-            if not sweep:
-                try:
-                    validate_overrides(name, overrides)
-                except UserError as error:
-                    fail(str(error))
-            hydra_task()
+            register_schema(schema)
+            _print_job_config_resolved()
+            reported_here = os.environ.get("HYDRA_FULL_ERROR") != "1"  # a user who set it wants Hydra's trace
+            os.environ["HYDRA_FULL_ERROR"] = "1"
+            try:
+                hydra_task()
+            except CONFIG_ERRORS as error:
+                if not reported_here or getattr(error, "raised_by_recipe", False):
+                    raise
+                fail(config_error_line(error))
 
         return main
 

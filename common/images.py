@@ -49,6 +49,7 @@ from torchvision.transforms.v2 import functional as tvf
 
 from common.config import Decode
 from common.errors import UserError
+from common.image_batches import Normalize
 
 cv2.setNumThreads(0)  # DataLoader workers already run in parallel
 
@@ -307,19 +308,6 @@ def collate_train(batch: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, An
 
 
 # ---- main-process side: the device does the float work ----------------------------------------
-
-
-class Normalize:
-    """uint8 (or 0-255 float) batches to float normalised with ``mean`` and ``std`` (0-1 scale),
-    on the device; the constants are made there once."""
-
-    def __init__(self, mean: Sequence[float], std: Sequence[float], device: torch.device) -> None:
-        self.device = device
-        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
-        self.std = torch.tensor(std, device=device).view(1, -1, 1, 1) * 255
-
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        return (images.to(self.device, non_blocking=True).float() - self.mean) / self.std
 
 
 class DeviceTrainInput:

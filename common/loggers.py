@@ -1,15 +1,20 @@
 """Rank-0 output: console lines, a progress bar, ``metrics.jsonl``, and TensorBoard or W&B.
 
 W&B is imported only when chosen and runs offline unless ``wandb_mode`` says otherwise, so a
-job on a node without internet never blocks on it. Whatever the backend, every logged value
-is also appended to ``metrics.jsonl`` in the log directory: one JSON object per line with the
-step, which ``make compare`` and plain scripts read without TensorBoard.
+job on a node without internet never blocks on it; its run id comes from the run directory, so
+a restarted job continues its own W&B run and the jobs of a sweep each have one. Whatever the
+backend, every logged value is also appended to ``metrics.jsonl`` in the log directory: one JSON
+object per line with the step, which ``make compare`` and plain scripts read without TensorBoard.
+The progress bar is drawn only where stdout is a terminal; in a SLURM or ISC log file each
+report of the training metrics is a plain line instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -60,6 +65,34 @@ class MetricsFile:
         self._handle.close()
 
 
+def wandb_run_id(run_dir: str | Path) -> str:
+    """The W&B run id of a run directory: its last part and a hash of its absolute path (W&B ids
+    take letters, digits, ``-`` and ``_``, at most 64), the same for every restart of the run."""
+    path = os.path.abspath(run_dir)
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", Path(path).name)[:40].strip("-") or "run"
+    return f"{name}-{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+
+
+class ProgressLines:
+    """The progress bar where stdout is not a terminal: a plain line at each report (every
+    ``trainer.log_every_steps`` steps), which a log file keeps readable."""
+
+    def __init__(self, total: int, initial: int, description: str) -> None:
+        self.total = total
+        self.n = initial
+        self.description = description
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix(self, values: Mapping[str, Any]) -> None:
+        shown = ", ".join(f"{name} {value}" for name, value in values.items())
+        print(f"{self.description}: step {self.n}/{self.total}, {shown}", file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
 class RunLogger:
     def __init__(
         self,
@@ -72,6 +105,7 @@ class RunLogger:
         wandb_project: str = "training-recipes",
         wandb_mode: str = "offline",
         progress_bar: bool = True,
+        wandb_id: str | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"logging backend must be tensorboard, wandb or none, not {backend!r}")
@@ -93,7 +127,7 @@ class RunLogger:
             self._wandb = wandb.init(
                 project=wandb_project,
                 name=run_name,
-                id=run_name.replace("/", "-"),
+                id=wandb_id or wandb_run_id(self.log_dir),
                 resume="allow",
                 dir=str(self.log_dir),
                 mode=wandb_mode,
@@ -102,17 +136,21 @@ class RunLogger:
 
     @classmethod
     def from_config(cls, cfg: Any, is_main: bool, resume_step: int = 0) -> RunLogger:
-        """From a recipe's whole config (its ``logging`` node, name and recipe)."""
+        """From a recipe's whole config (its ``logging`` node, name, recipe and run directory)."""
+        run_name = f"{cfg.recipe}/{cfg.name}"
+        if Path(cfg.run_dir).name != cfg.name:  # a sweep's job: its directory is named by its overrides
+            run_name += f"/{Path(cfg.run_dir).name}"
         return cls(
             cfg.logging.backend,
             cfg.logging.dir,
             is_main,
-            run_name=f"{cfg.recipe}/{cfg.name}",
+            run_name=run_name,
             config=OmegaConf.to_container(cfg, resolve=True),
             resume_step=resume_step,
             wandb_project=cfg.logging.wandb_project,
             wandb_mode=cfg.logging.wandb_mode,
             progress_bar=cfg.logging.progress_bar,
+            wandb_id=wandb_run_id(cfg.run_dir),
         )
 
     def console(self, message: str) -> None:
@@ -129,8 +167,11 @@ class RunLogger:
         elif self._wandb is not None:
             self._wandb.log(dict(metrics), step=step)
 
-    def progress(self, total: int, initial: int, description: str) -> tqdm:
-        """A progress bar on rank 0 (a silent one elsewhere or when disabled)."""
+    def progress(self, total: int, initial: int, description: str) -> tqdm | ProgressLines:
+        """A progress bar on rank 0 (a silent one elsewhere or when disabled); progress lines
+        where stdout is not a terminal."""
+        if self.progress_bar and not sys.stdout.isatty():
+            return ProgressLines(total, initial, description)
         return tqdm(
             total=total,
             initial=initial,

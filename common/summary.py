@@ -1,27 +1,52 @@
-"""``summary.json``: what a finished run reports (the run contract's last step)."""
+"""``summary.json``: what a finished run reports, and the digest that says two runs ended the same.
+
+``model_digest`` is a sha256 over the final model state: tensors in sorted key order, each with
+its key, dtype, shape and raw bytes. Two runs with the same config and seed on the same machine
+give the same digest, whether or not one of them was interrupted and resumed.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from common.checkpoint import LATEST, best_checkpoint, committed_checkpoints
-from common.train_state import Progress
+import torch
+
+from common.checkpoint import LATEST
+
+SUMMARY_FILE = "summary.json"
+
+
+def state_digest(state_dict: dict[str, Any]) -> str:
+    """sha256 over a state dict: keys in sorted order, each key, dtype, shape and raw bytes."""
+    sha = hashlib.sha256()
+    for key in sorted(state_dict):
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor):
+            continue
+        tensor = value.detach().to("cpu").contiguous()
+        sha.update(key.encode())
+        sha.update(str(tensor.dtype).encode())
+        sha.update(str(tuple(tensor.shape)).encode())
+        sha.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
 
 
 def write_summary(
     run_dir: str | Path,
     recipe: str,
     metrics: dict[str, float],
-    progress: Progress,
+    progress: Any,
     world_size: int,
     model_digest: str,
     **extra: Any,
 ) -> Path:
-    """Write ``run_dir/summary.json`` atomically and return its path."""
-    path = Path(run_dir) / "summary.json"
+    """Write ``run_dir/summary.json`` atomically and return its path. ``progress`` is the run's
+    :class:`common.run.Progress`."""
+    path = Path(run_dir) / SUMMARY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     summary = {
         "recipe": recipe,
@@ -40,13 +65,10 @@ def write_summary(
     return path
 
 
-def where_outputs_are(cfg: Any, summary: Path) -> str:
+def output_lines(summary: Path, checkpoints: Path, best: Path | None, best_metric: str, log_dir: Path) -> str:
     """The lines a finished run prints so its user finds the summary, checkpoints and logs."""
-    checkpoints = Path(cfg.checkpoint.dir)
     lines = [f"  summary:      {summary}", f"  checkpoints:  {checkpoints}  (latest: {checkpoints / LATEST})"]
-    if cfg.checkpoint.keep_best:
-        best = best_checkpoint(committed_checkpoints(checkpoints), cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
-        if best is not None:
-            lines.append(f"  best:         {best.path}  (by {cfg.checkpoint.best_metric})")
-    lines.append(f"  tensorboard:  {Path(cfg.logging.dir)}  (tensorboard --logdir {cfg.logging.dir})")
+    if best is not None:
+        lines.append(f"  best:         {best}  (by {best_metric})")
+    lines.append(f"  tensorboard:  {log_dir}  (tensorboard --logdir {log_dir})")
     return "\n".join(lines)

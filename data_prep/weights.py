@@ -10,7 +10,6 @@ interrupted prep never leaves a half folder that a run would take for weights.
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 from pathlib import Path
@@ -23,10 +22,9 @@ from common.weights import WEIGHTS_ROOT, read_state_dict
 
 def recipe_config(recipe: str, overrides: list[str]) -> DictConfig:
     """The recipe's config with these overrides (``+experiment=<preset>``, ...), as a run would see it."""
-    from common.entry import validate_overrides
+    from common.entry import compose_config
 
-    importlib.import_module(f"recipes.{recipe}.config")  # registers the schema
-    return validate_overrides(recipe, overrides)
+    return compose_config(recipe, overrides)
 
 
 def hub_repository(target: Path) -> str:

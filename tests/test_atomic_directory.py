@@ -83,10 +83,10 @@ def our_files(tmp_path: Path, step: int) -> Path:
 def test_a_folder_we_wrote_is_accepted_by_atomic_directory_rules(tmp_path: Path) -> None:
     for keep_last in (KEEP_ALL, 2):
         folder = tmp_path / f"keep_{keep_last}"
-        manager = CheckpointManager(folder, keep_last=keep_last, best_metric="eval/accuracy")
-        manager.save(1, state_for(1), {"eval/accuracy": 0.5})  # the best: _force
+        manager = CheckpointManager(folder, keep_last=keep_last, best_metric="eval/top1")
+        manager.save(1, state_for(1), {"eval/top1": 0.5})  # the best: _force
         manager.save(2, state_for(2))
-        manager.save(2, state_for(2), {"eval/accuracy": 0.4})  # the same step again, with its evaluation
+        manager.save(2, state_for(2), {"eval/top1": 0.4})  # the same step again, with its evaluation
         manager.save(3, state_for(3))
         ours = rule_checkpoints(folder)
         assert f"{NAME}_checkpoint_0_force" in ours and len(ours) == (4 if keep_last == KEEP_ALL else 3)

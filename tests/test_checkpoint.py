@@ -37,11 +37,11 @@ def names(directory: Path) -> list[str]:
 
 def test_save_then_load_round_trip(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, keep_last=2)
-    manager.save(3, state_for(3), {"eval/accuracy": 0.5})
+    manager.save(3, state_for(3), {"eval/top1": 0.5})
     loaded = manager.load_latest()
     assert loaded is not None and loaded.step == 3
     assert torch.equal(loaded.state["weights"], torch.full((1000,), 3.0))
-    assert loaded.metrics == {"eval/accuracy": 0.5}
+    assert loaded.metrics == {"eval/top1": 0.5}
     assert loaded.path == tmp_path / "AtomicDirectory_checkpoint_0"
     link = tmp_path / "AtomicDirectory.latest_checkpoint"
     assert link.is_symlink() and os.readlink(link) == str(tmp_path.resolve() / "AtomicDirectory_checkpoint_0")
@@ -63,10 +63,10 @@ def test_n_counts_saves_and_a_step_saved_again_is_a_newer_directory(tmp_path: Pa
 
 
 def test_keep_last_n_steps_and_the_best_by_metric_which_is_force(tmp_path: Path) -> None:
-    manager = CheckpointManager(tmp_path, keep_last=2, best_metric="eval/accuracy", best_mode="max")
+    manager = CheckpointManager(tmp_path, keep_last=2, best_metric="eval/top1", best_mode="max")
     accuracies = {1: 0.3, 2: 0.9, 3: 0.4, 4: 0.5, 5: 0.6}
     for step, accuracy in accuracies.items():
-        manager.save(step, state_for(step), {"eval/accuracy": accuracy})
+        manager.save(step, state_for(step), {"eval/top1": accuracy})
     # step 1 was the best when it was written, step 2 beat it; the others never beat step 2.
     assert names(tmp_path) == ["AtomicDirectory.latest_checkpoint", "AtomicDirectory_checkpoint_1_force",
                                "AtomicDirectory_checkpoint_3", "AtomicDirectory_checkpoint_4"]
@@ -99,12 +99,25 @@ def test_keep_all_prunes_nothing(tmp_path: Path) -> None:
 
 
 def test_the_artifact_path_keeps_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from common.config import CheckpointConfig
+    from common.distributed import DistInfo
+    from common.entry import compose_config
+    from common.metrics import SumMetrics
+    from common.run import TrainingRun
+    from common.sampler import ResumableDistributedSampler
+    from common.steps import StepPlan
 
     monkeypatch.setenv("CHECKPOINT_ARTIFACT_PATH", str(tmp_path / "artifacts"))
-    on_isc = CheckpointManager.from_config(CheckpointConfig(dir=str(tmp_path / "artifacts"), keep_last=1))
-    elsewhere = CheckpointManager.from_config(CheckpointConfig(dir=str(tmp_path / "local"), keep_last=1))
-    assert on_isc.keep_last == KEEP_ALL and elsewhere.keep_last == 1
+    single = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")
+    keep_last = {}
+    for where in ("artifacts", "local"):
+        cfg = compose_config("fashion_mnist", [f"run_dir={tmp_path}", f"checkpoint.dir={tmp_path / where}",
+                                               "checkpoint.keep_last=1"])
+        sampler = ResumableDistributedSampler(8)
+        run = TrainingRun.from_config(cfg, single, StepPlan(sampler, 1, 1, 1, 1), model=torch.nn.Linear(1, 1),
+                                      sampler=sampler, train_sums=SumMetrics(single.device))
+        run.cadence.close()
+        keep_last[where] = run.checkpoints.keep_last
+    assert keep_last == {"artifacts": KEEP_ALL, "local": 1}
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest", "missing_file"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import common.checkpoint as checkpoint_module
-from common.checkpoint import CheckpointManager, HostStaging, checkpoint_dirs, latest_name
+from common.checkpoint import CheckpointManager, CheckpointWriteError, HostSnapshot, checkpoint_dirs, latest_name
 from tests.conftest import REPO
 
 KILLED_MID_WRITE = textwrap.dedent(
@@ -25,9 +25,9 @@ KILLED_MID_WRITE = textwrap.dedent(
     import common.checkpoint as checkpoint_module
     from common.checkpoint import CheckpointManager
 
-    manager = CheckpointManager(sys.argv[1], async_save=True, best_metric="eval/accuracy")
+    manager = CheckpointManager(sys.argv[1], async_save=True, best_metric="eval/top1")
     state = {"weights": torch.arange(300_000, dtype=torch.float32), "step": 1}
-    manager.save(1, state, {"eval/accuracy": 0.5})
+    manager.save(1, state, {"eval/top1": 0.5})
     manager.wait()
 
     # From here on the background writer writes one chunk of state.pt, then hangs, so the
@@ -42,7 +42,7 @@ KILLED_MID_WRITE = textwrap.dedent(
     checkpoint_module._HashingWriter.write = write_one_chunk_then_hang
 
     state = {"weights": torch.arange(300_000, dtype=torch.float32) * 2, "step": 2}
-    manager.save(2, state, {"eval/accuracy": 0.9})
+    manager.save(2, state, {"eval/top1": 0.9})
     os.write(1, b"RETURNED\\n")  # save() came back while its write is still going on
     state["weights"].zero_()  # the loop goes on changing the live tensors
     threading.Event().wait()
@@ -91,7 +91,7 @@ def test_a_crash_during_the_background_write_keeps_the_previous_checkpoint(tmp_p
     assert loaded is not None and loaded.step == 1
     assert manager.verify(loaded.path)["step"] == 1
     assert torch.equal(loaded.state["weights"], torch.arange(300_000, dtype=torch.float32))
-    assert loaded.metrics == {"eval/accuracy": 0.5}
+    assert loaded.metrics == {"eval/top1": 0.5}
 
 
 @pytest.fixture
@@ -185,19 +185,22 @@ def test_a_failed_background_write_is_reported_and_the_previous_checkpoint_stays
 
     monkeypatch.setattr(checkpoint_module.torch, "save", disk_full)
     manager.save(2, {"weights": torch.full((10,), 2.0)})
-    with pytest.raises(RuntimeError, match="background checkpoint save failed: .*No space left"):
+    expected = (f"could not write a checkpoint to {tmp_path}: No space left on device "
+                r"\(a checkpoint needs about 40 B, [\d.]+ [kMGT]?B free there\)")
+    with pytest.raises(CheckpointWriteError, match=expected):
         manager.wait()
     monkeypatch.undo()
+    assert not list(tmp_path.glob(".tmp-*")), "the partial checkpoint was left behind"
     assert CheckpointManager(tmp_path).load_latest().step == 1
 
 
-def test_staging_buffers_are_reused_and_hold_copies() -> None:
+def test_snapshot_buffers_are_reused_and_hold_copies() -> None:
     weights = torch.randn(64, 3, 3, 3).contiguous(memory_format=torch.channels_last)
-    staging = HostStaging()
-    first = staging.snapshot({"w": weights, "rng": (3, (1, 2), None)})
+    snapshots = HostSnapshot()
+    first = snapshots.snapshot({"w": weights, "rng": (3, (1, 2), None)})
     weights.add_(1.0)
     assert not torch.equal(first["w"], weights)
-    second = staging.snapshot({"w": weights, "rng": (3, (1, 2), None)})
+    second = snapshots.snapshot({"w": weights, "rng": (3, (1, 2), None)})
     assert second["w"].data_ptr() == first["w"].data_ptr(), "the second snapshot should refill the same buffer"
     assert torch.equal(second["w"], weights)
     assert second["w"].is_contiguous(memory_format=torch.channels_last)

@@ -16,15 +16,16 @@ import pytest
 import torch
 
 from common.cifar100 import read_pickle
-from common.data import seeded_generator
-from common.entry import validate_overrides
+from common.config import MixupConfig
+from common.entry import compose_config
 from common.errors import UserError
+from common.image_batches import Normalize, random_crop_and_flip
 from common.optim import warmup_multistep
+from common.rng import seeded_generator
 from data_prep import cifar100_resnet50 as prep
 from data_prep.files import file_digest
-from recipes.cifar100_resnet50 import config as _schema  # noqa: F401  (registers the schema)
 from recipes.cifar100_resnet50.config import DataConfig, ModelConfig
-from recipes.cifar100_resnet50.data import TrainAugmentation, crop_and_flip, load_split, random_erase, rotate
+from recipes.cifar100_resnet50.data import MEAN, STD, TrainAugmentation, load_split, random_erase, rotate
 from recipes.cifar100_resnet50.model import build_model
 from tests.conftest import REPO, assert_ok, latest_step, read_summary, recipe_env, run_recipe
 from tests.resume import CHAIN_SETTINGS, kill_signal_resume
@@ -46,10 +47,11 @@ ALL_AUGMENTATIONS = [
     "data.auto_augment=trivialaugment",
     "data.rotation_degrees=15",
     "data.random_erasing=0.5",
-    "data.mixup_alpha=0.2",
-    "data.cutmix_alpha=1.0",
+    "mixup.mixup_alpha=0.2",
+    "mixup.cutmix_alpha=1.0",
     "optim.label_smoothing=0.1",
-    "model.ema_decay=0.9",
+    "ema.enabled=true",
+    "ema.decay=0.9",
     "model.drop_path_rate=0.1",
     "trainer.epochs=3",
     "seed=3",
@@ -130,7 +132,7 @@ def random_images(count: int = 6, seed: int = 0) -> torch.Tensor:
 
 def test_crop_and_flip_takes_a_window_of_the_zero_padded_image() -> None:
     images = random_images()
-    out = crop_and_flip(images, padding=4, flip=True, generator=seeded_generator(torch.device("cpu"), 1))
+    out = random_crop_and_flip(images, padding=4, flip=True, generator=seeded_generator(torch.device("cpu"), 1))
     padded = torch.nn.functional.pad(images, (4, 4, 4, 4))
     for image, result in zip(padded, out):
         windows = [image[:, r : r + 32, c : c + 32] for r in range(9) for c in range(9)]
@@ -156,9 +158,9 @@ def test_random_erasing_replaces_one_rectangle_per_image() -> None:
 
 
 def test_training_augmentation_depends_only_on_its_keys_and_leaves_global_rngs_alone() -> None:
-    cfg = DataConfig(auto_augment="trivialaugment", rotation_degrees=15, random_erasing=0.5, mixup_alpha=0.2,
-                     cutmix_alpha=1.0)
-    augmentation = TrainAugmentation(cfg, label_smoothing=0.1)
+    cfg = DataConfig(auto_augment="trivialaugment", rotation_degrees=15, random_erasing=0.5)
+    normalize = Normalize(MEAN, STD, torch.device("cpu"), input_max=1)
+    augmentation = TrainAugmentation(cfg, MixupConfig(mixup_alpha=0.2, cutmix_alpha=1.0), 0.1, normalize)
     images, labels = random_images(8), torch.arange(8)
 
     def draw(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +189,7 @@ def test_training_augmentation_depends_only_on_its_keys_and_leaves_global_rngs_a
 
 
 def test_cifar_stem_keeps_full_resolution() -> None:
-    cfg = validate_overrides(RECIPE, ["model.name=test_resnet"])
+    cfg = compose_config(RECIPE, ["model.name=test_resnet"])
     model = build_model(cfg.model)
     assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
     assert isinstance(model.maxpool, torch.nn.Identity)
@@ -196,13 +198,13 @@ def test_cifar_stem_keeps_full_resolution() -> None:
 
 @pytest.mark.parametrize("preset", [None, "cifar100_reference", "cifar100_strong"])
 def test_preset_composes_and_its_resnet50_builds(preset: str | None) -> None:
-    cfg = validate_overrides(RECIPE, [f"+experiment={preset}"] if preset else [])
+    cfg = compose_config(RECIPE, [f"+experiment={preset}"] if preset else [])
     model = build_model(cfg.model)
     # The reference table lists 23.7M parameters for its CIFAR ResNet-50.
     assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == 23.7
     assert cfg.optim.lr == 0.1 and cfg.trainer.batch_size == 128
     if preset == "cifar100_reference":
-        assert (cfg.optim.schedule, list(cfg.optim.milestones), cfg.optim.gamma) == ("multistep", [60, 120, 160], 0.2)
+        assert (cfg.optim.sched, list(cfg.optim.milestones), cfg.optim.gamma) == ("multistep", [60, 120, 160], 0.2)
         assert (cfg.trainer.epochs, cfg.optim.weight_decay, cfg.optim.momentum) == (200, 5e-4, 0.9)
         assert cfg.data.rotation_degrees == 15 and cfg.name == "reference"
 
@@ -229,7 +231,7 @@ def test_end_to_end_writes_summary_and_checkpoints(reference_run: Path) -> None:
     assert summary["resumes"] == 0 and summary["world_size"] == 1
     assert len(summary["model_digest"]) == 64
     metrics = summary["metrics"]
-    assert set(metrics) == {f"{p}/{m}" for p in ("eval", "eval_ema") for m in ("loss", "accuracy", "top5")}
+    assert set(metrics) == {f"{p}/{m}" for p in ("eval", "eval_ema") for m in ("loss", "top1", "top5")}
     assert all(np.isfinite(value) for value in metrics.values())
     assert latest_step(reference_run / "checkpoints") == summary["steps"]
 
@@ -243,8 +245,8 @@ def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(cifar_roo
         kill_signal_resume(RECIPE, overrides(cifar_root, None, *ALL_AUGMENTATIONS), tmp_path, 1, stop_signal,
                            reference=reference_run)
     else:  # 24 samples per rank = 3 micro-batches of 8: each epoch ends with a 1-micro-batch step
-        settings = ["trainer.global_batch_size=32", "trainer.epochs=4", "data.mixup_alpha=0.2",
-                    "data.random_erasing=0.5", "model.ema_decay=0.9"]
+        settings = ["trainer.global_batch_size=32", "trainer.epochs=4", "mixup.mixup_alpha=0.2",
+                    "data.random_erasing=0.5", "ema.enabled=true", "ema.decay=0.9"]
         kill_signal_resume(RECIPE, overrides(cifar_root, None, *settings), tmp_path, 2, stop_signal)
 
 

@@ -313,8 +313,9 @@ def test_hydra_slurm_launcher_requeues_and_keeps_run_dirs_deterministic():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import recipes.fashion_mnist.config  # noqa: F401  (registers the schema)
+    from common.entry import recipe_schema, register_schema
 
+    register_schema(recipe_schema("fashion_mnist"))
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("fashion_mnist", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
                       return_hydra_config=True)

@@ -47,9 +47,9 @@ def test_compare_tabulates_runs_and_sweep_jobs_and_plots_their_curves(fashion_da
     header = list(table[0])
     assert {"optim.lr", "seed", "trainer.max_steps"} <= set(header), header
     assert "trainer.batch_size" not in header and "model.hidden" not in header, "equal keys are not differences"
-    summaries = {(s["metrics"]["eval/accuracy"], s["steps"]) for s in map(read_summary, {p.parent for p in
+    summaries = {(s["metrics"]["eval/top1"], s["steps"]) for s in map(read_summary, {p.parent for p in
                                                                                            runs.rglob("summary.json")})}
-    assert {(float(row["eval/accuracy"]), int(row["steps"])) for row in table} == summaries
+    assert {(float(row["eval/top1"]), int(row["steps"])) for row in table} == summaries
     assert [int(row["steps"]) for row in table] == [16, 16, 8, 8]
     assert all(row["recipe"] == "fashion_mnist" and row["world_size"] == "1" and row["resumes"] == "0"
                for row in table)
@@ -60,8 +60,8 @@ def test_compare_tabulates_runs_and_sweep_jobs_and_plots_their_curves(fashion_da
     assert len(markdown) == 2 + 4 and markdown[0].startswith("| recipe | name | run |")
     assert labels[3] in result.stdout and "train time" in result.stdout
 
-    # Two panels (train/loss, eval/accuracy), one curve per run in each.
-    assert "(8 curve(s) of train/loss, eval/accuracy)" in result.stdout
+    # Two panels (train/loss, eval/top1), one curve per run in each.
+    assert "(8 curve(s) of train/loss, eval/top1)" in result.stdout
     image = np.asarray(Image.open(out / "curves.png").convert("RGB"))
     assert image.shape[:2] == (2 * 300 + 125, 800), "two panels of 8 x 3 inches and a legend of 4 runs, 100 dpi"
     assert all(has_colour(image, colour) for colour in CURVE_COLOURS[:4]), "a run's curve is missing"

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from common.checkpoint import LATEST, committed_checkpoints
+from common.checkpoint import LATEST, CheckpointManager, committed_checkpoints
 from tests.conftest import REPO, assert_ok, checkpoint_of_step, read_summary, recipe_env, run_recipe
 from tests.resume import CHAIN_SETTINGS, kill_signal_resume
 from tools.tiny_data import write_cifar100_tarball
@@ -159,6 +159,29 @@ def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(
     assert summary["steps"] == TOTAL_STEPS and summary["stage"] == "finetune"
 
 
+def test_background_saves_of_the_shards_write_the_same_checkpoints(
+    reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path
+) -> None:
+    """checkpoint.async_save=true on 2 FSDP2 ranks: each rank's shards go to host memory and are
+    written in the background (torch.distributed.checkpoint.async_save); the checkpoints are
+    committed, verify, and hold what the synchronous reference run saved."""
+    run_dir = tmp_path / "run"
+    assert_ok(run_recipe(RECIPE, overrides(cifar_root, pretrained_dir, run_dir, "checkpoint.async_save=true"), nproc=2))
+    assert read_summary(run_dir)["model_digest"] == read_summary(reference)["model_digest"]
+    committed = committed_checkpoints(run_dir / "checkpoints")
+    assert {found.step for found in committed} == set(range(1, TOTAL_STEPS + 1))
+    manager = CheckpointManager(run_dir / "checkpoints")
+    for found in committed:
+        files = manager.verify(found.path)["files"]
+        assert any(name.startswith("sharded/") for name in files), found.path
+    assert checkpoint_dir(run_dir, PROBE_STEPS).name.endswith("_force")
+    for step in (PROBE_STEPS, PROBE_STEPS + 1):
+        written, expected = sharded_tensors(run_dir, step, tmp_path), sharded_tensors(reference, step, tmp_path)
+        for name, value in expected["model"].items():
+            assert torch.equal(written["model"][name], value), (step, name)
+        assert written["optimizer"]["state"].keys() == expected["optimizer"]["state"].keys()
+
+
 def copy_checkpoints_up_to(source: Path, destination: Path, step: int) -> None:
     """A run directory whose latest checkpoint is ``source``'s checkpoint ``step``."""
     (destination / "checkpoints").mkdir(parents=True)
@@ -265,11 +288,11 @@ def test_eval_batches_count_every_sample_once_with_equal_batches_per_rank(num_sa
 )
 def test_settings_the_recipe_cannot_honour_are_refused(tmp_path: Path, override: str, message: str) -> None:
     from common.distributed import DistInfo
-    from common.entry import validate_overrides
+    from common.entry import compose_config
     from common.errors import UserError
     from recipes.dinov2_fsdp.train import check_settings
 
-    cfg = validate_overrides(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", override])
+    cfg = compose_config(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", override])
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")
     with pytest.raises(UserError, match=re.escape(message)):
         check_settings(cfg, cpu)

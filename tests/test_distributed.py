@@ -15,7 +15,7 @@ from common import distributed
 from common.errors import UserError
 from common.metrics import SumMetrics, ratio
 from common.optim import accumulation_steps, scaled_lr
-from common.preemption import CheckpointCadence, StopFlag
+from common.run import CheckpointCadence, StopSignals
 from tests.conftest import free_port
 
 
@@ -124,8 +124,8 @@ def _worker(rank: int, world_size: int, port: int, results: Path, main_backend: 
 
         # Only rank 1 receives the signal, during step 3; with checks every 2 steps both ranks
         # must decide to save and stop at step 4, neither earlier.
-        flag = StopFlag()
-        cadence = CheckpointCadence(every_steps=0, every_seconds=0, sync_every_steps=2, stop_flag=flag)
+        flag = StopSignals()
+        cadence = CheckpointCadence(every_steps=0, every_seconds=0, sync_every_steps=2, stop_signals=flag)
         assert (cadence.group is None) == (main_backend == "gloo")
         stopped_at = None
         for step in range(1, 9):

@@ -115,8 +115,8 @@ def state_for(step: int) -> dict:
 
 def test_the_rehearsal_ships_what_the_isc_ships(tmp_path: Path):
     live, store = tmp_path / "node", tmp_path / "store"
-    manager = CheckpointManager(live, keep_last=KEEP_ALL, best_metric="eval/accuracy")
-    manager.save(1, state_for(1), {"eval/accuracy": 0.5})  # 0_force, the best
+    manager = CheckpointManager(live, keep_last=KEEP_ALL, best_metric="eval/top1")
+    manager.save(1, state_for(1), {"eval/top1": 0.5})  # 0_force, the best
     manager.save(2, state_for(2))
     manager.save(3, state_for(3), milestone="end of stage 1")  # 2_force
     manager.save(4, state_for(4))
@@ -176,7 +176,7 @@ def test_a_run_stopped_mid_epoch_resumes_from_what_the_isc_ships_at_another_path
     wait_for_pause(tmp_path / "paused", process)
     kill_run(process)
     assert latest_step(node / "checkpoints") == killed_at
-    best = [found for found in committed_checkpoints(node / "checkpoints") if "eval/accuracy" in found.metrics]
+    best = [found for found in committed_checkpoints(node / "checkpoints") if "eval/top1" in found.metrics]
     assert len(best) == 1 and best[0].force, "the epoch-1 checkpoint, the best so far, is _force"
 
     elsewhere = tmp_path / "restored"

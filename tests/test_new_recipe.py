@@ -35,7 +35,8 @@ def test_new_recipe_round_trip(tmp_path: Path) -> None:
                  "conf/experiment/demo_copy_long.yaml", "data_prep/demo_copy.py", "tests/test_demo_copy.py"):
         assert (sandbox / path).is_file(), path
     config = (sandbox / "recipes/demo_copy/config.py").read_text()
-    assert "class DemoCopyConfig(RunConfig)" in config and 'name="demo_copy_schema"' in config
+    assert "class DemoCopyConfig(RunConfig)" in config and 'recipe: str = "demo_copy"' in config
+    assert "  - demo_copy_schema\n" in (sandbox / "conf/demo_copy.yaml").read_text()
     assert "fashion_mnist" not in (sandbox / "recipes/demo_copy/train.py").read_text()
 
     again = subprocess.run(["make", "new-recipe", "NAME=demo_copy", f"VENV={venv}", "STAMP="],

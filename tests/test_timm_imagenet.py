@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from common.entry import CONF_DIR
+from common.entry import CONF_DIR, compose_config
 from common.errors import UserError
 from data_prep import timm_imagenet as prep
 from recipes.timm_imagenet.data import resolve, train_augmentation
@@ -202,9 +201,7 @@ def test_repeated_augmentation_sampler_resumes_on_another_world_size() -> None:
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_each_preset_composes_and_its_model_and_transforms_build(preset: str, tmp_path: Path) -> None:
     assert (Path(CONF_DIR) / "experiment" / f"{preset}.yaml").read_text().count("http") >= 1, "cite the source"
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name=RECIPE, overrides=[f"+experiment={preset}", f"run_dir={tmp_path}"])
-    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    cfg = compose_config(RECIPE, [f"+experiment={preset}", f"run_dir={tmp_path}"])  # every value resolves
     model_name, millions = PRESETS[preset]
     assert cfg.model.name == model_name and not cfg.model.pretrained
     with torch.device("meta"):

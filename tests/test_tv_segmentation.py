@@ -28,7 +28,7 @@ from common.distributed import DistInfo
 from common.errors import UserError
 from common.images import Normalize
 from common.sampler import ResumableDistributedSampler
-from common.train_state import state_digest
+from common.summary import state_digest
 from recipes.tv_segmentation import coco
 from recipes.tv_segmentation.config import DataConfig, ModelConfig
 from recipes.tv_segmentation.data import (

@@ -30,7 +30,6 @@ the write), or when the finished run's ``summary.json`` is not in the store.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
@@ -295,13 +294,12 @@ def _check_cycle(cycle: Cycle, previous: Shipped | None, interval_s: float) -> N
 
 def _resolved_config(recipe: str, overrides: list[str], env: dict[str, str]) -> DictConfig:
     """The recipe's config with these overrides, resolved with ``env`` (the ISC's paths) set."""
-    from common.entry import validate_overrides
+    from common.entry import compose_config
 
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        importlib.import_module(f"recipes.{recipe}.config")  # registers the schema
-        cfg = validate_overrides(recipe, overrides)
+        cfg = compose_config(recipe, overrides)
         OmegaConf.resolve(cfg)
         return cfg
     finally:

@@ -19,8 +19,10 @@ from timm.data.mixup import mixup_target
 from torchvision.transforms import v2
 
 from common import cifar100
-from common.data import channel_constants, seeded_global_rng
+from common.config import MixupConfig
 from common.errors import UserError
+from common.image_batches import Normalize, random_crop_and_flip
+from common.rng import seeded_global_rng
 from recipes.cifar100_resnet50.config import DataConfig
 
 # Per-channel mean and std of the CIFAR-100 training images, in [0, 1].
@@ -36,30 +38,6 @@ def load_split(root: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor
     if len(data.labels) == 0:
         raise UserError(f"the CIFAR-100 {split} split under {root} holds no images")
     return data.images, data.labels
-
-
-def normalize(images: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[B, 3, H, W]`` (or float in [0, 1]) to normalized float."""
-    if images.dtype == torch.uint8:
-        images = images.float() / 255.0
-    return (images - channel_constants(MEAN, images.device)) / channel_constants(STD, images.device)
-
-
-def crop_and_flip(images: torch.Tensor, padding: int, flip: bool, generator: torch.Generator) -> torch.Tensor:
-    """Random crop after zero padding and random horizontal flip, per sample, on a whole batch."""
-    batch, _, height, width = images.shape
-    device = images.device
-    if padding > 0:
-        padded = F.pad(images, (padding,) * 4).permute(0, 2, 3, 1)  # [B, H + 2p, W + 2p, C]
-        offsets = torch.randint(0, 2 * padding + 1, (2, batch), generator=generator, device=device)
-        rows = offsets[0, :, None] + torch.arange(height, device=device)
-        cols = offsets[1, :, None] + torch.arange(width, device=device)
-        batch_index = torch.arange(batch, device=device)[:, None, None]
-        images = padded[batch_index, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
-    if flip:
-        flips = torch.rand(batch, generator=generator, device=device) < 0.5
-        images = torch.where(flips[:, None, None, None], images.flip(-1), images)
-    return images.contiguous()
 
 
 def rotate(images: torch.Tensor, degrees: float, generator: torch.Generator) -> torch.Tensor:
@@ -99,10 +77,13 @@ def random_erase(images: torch.Tensor, probability: float, generator: torch.Gene
 
 class TrainAugmentation:
     """The configured training augmentation: uint8 images and labels in, model inputs and
-    targets out (class indices, or soft targets when mixup/cutmix is on)."""
+    targets out (class indices, or soft targets when mixup/cutmix is on). ``normalize`` takes
+    floats in [0, 1]."""
 
-    def __init__(self, cfg: DataConfig, label_smoothing: float, num_classes: int = cifar100.NUM_CLASSES) -> None:
+    def __init__(self, cfg: DataConfig, mixup: MixupConfig, label_smoothing: float, normalize: Normalize,
+                 num_classes: int = cifar100.NUM_CLASSES) -> None:
         self.cfg = cfg
+        self.normalize = normalize
         self.num_classes = num_classes
         self.label_smoothing = label_smoothing
         self.policy: v2.Transform | None = None
@@ -111,9 +92,9 @@ class TrainAugmentation:
         elif cfg.auto_augment == "randaugment":
             self.policy = v2.RandAugment(num_ops=cfg.randaugment_ops, magnitude=cfg.randaugment_magnitude)
         self.mixup = None
-        if cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0:
-            self.mixup = Mixup(mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, prob=cfg.mix_prob,
-                               switch_prob=cfg.mix_switch_prob, mode="batch", label_smoothing=label_smoothing,
+        if mixup.mixup_alpha > 0 or mixup.cutmix_alpha > 0:
+            self.mixup = Mixup(mixup_alpha=mixup.mixup_alpha, cutmix_alpha=mixup.cutmix_alpha, prob=mixup.prob,
+                               switch_prob=mixup.switch_prob, mode=mixup.mode, label_smoothing=label_smoothing,
                                num_classes=num_classes)
 
     @property
@@ -124,14 +105,14 @@ class TrainAugmentation:
                  *rng_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``generator`` and ``rng_keys`` (seed, step, rank, micro-batch) fix every random draw."""
         cfg = self.cfg
-        images = crop_and_flip(images, cfg.random_crop_padding, cfg.horizontal_flip, generator)
+        images = random_crop_and_flip(images, cfg.random_crop_padding, cfg.horizontal_flip, generator)
         if self.policy is not None:
             with seeded_global_rng(*rng_keys):
                 images = torch.stack([self.policy(image) for image in images])
         images = images.float() / 255.0
         if cfg.rotation_degrees > 0:
             images = rotate(images, cfg.rotation_degrees, generator)
-        images = normalize(images)
+        images = self.normalize(images)
         if cfg.random_erasing > 0:
             images = random_erase(images, cfg.random_erasing, generator)
         if self.mixup is None:

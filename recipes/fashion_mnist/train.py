@@ -3,50 +3,46 @@
     python -m recipes.fashion_mnist.train [hydra overrides]
     torchrun --nproc-per-node 2 -m recipes.fashion_mnist.train [hydra overrides]
 
-Run contract (see README.md): the run directory is ``runs/fashion_mnist/<name>``; a run
-whose checkpoint directory holds a valid checkpoint resumes from it; SIGTERM/SIGUSR1 finish
+Run contract (see README.md, ``common/run.py``): the run directory is ``runs/fashion_mnist/<name>``;
+a run whose checkpoint directory holds a valid checkpoint resumes from it; SIGTERM/SIGUSR1 finish
 the step, checkpoint and exit with code 75; a finished run writes ``summary.json``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from common import train_state
-from common.checkpoint import CheckpointManager
-from common.data import seeded_generator
-from common.determinism import configure_determinism
-from common.distributed import DistInfo, broadcast_buffers, init_distributed, shutdown_distributed
-from common.entry import recipe_main
-from common.loggers import RunLogger
+from common.distributed import DistInfo, broadcast_buffers
+from common.entry import recipe_main, training_process
+from common.image_batches import random_crop_and_flip
 from common.metrics import SumMetrics, ratio
-from common.optim import accumulation_steps, param_groups, scaled_lr, warmup_cosine
+from common.optim import param_groups, scaled_lr, warmup_cosine
 from common.precision import autocast, grad_scaler
-from common.preemption import CheckpointCadence
+from common.rng import seed_everything, seeded_generator
+from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
-from common.summary import where_outputs_are, write_summary
-from recipes.fashion_mnist import config as _schema  # noqa: F401  (registers the schema)
-from recipes.fashion_mnist.data import augment, load_split, normalize
+from common.steps import EpochTail, StepPlan
+from recipes.fashion_mnist.config import FashionMNISTConfig
+from recipes.fashion_mnist.data import BLACK, load_split, normalize
 from recipes.fashion_mnist.model import build_model
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
              dist_info: DistInfo) -> dict[str, float]:
-    """Loss and accuracy over the whole split, each sample counted once across ranks."""
+    """Loss and top-1 accuracy over the whole split, each sample counted once across ranks."""
     broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed
     model.eval()
     sampler = ResumableDistributedSampler(
         len(images), dist_info.rank, dist_info.world_size, shuffle=False, drop_last=False
     )
     sums = SumMetrics(dist_info.device)
-    for batch in sampler.index_batches(cfg.trainer.batch_size * 4, images.device):
+    for batch in sampler.index_batches(cfg.trainer.eval_batch_size, images.device):
         x = normalize(images[batch])
         if cfg.trainer.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -57,22 +53,18 @@ def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
                  count=len(batch))
     model.train()
     totals = sums.reduce()
-    return {"eval/loss": ratio(totals, "loss", "count"), "eval/accuracy": ratio(totals, "correct", "count")}
+    return {"eval/loss": ratio(totals, "loss", "count"), "eval/top1": ratio(totals, "correct", "count")}
 
 
-@recipe_main("fashion_mnist")
+@recipe_main(FashionMNISTConfig)
 def main(cfg: DictConfig) -> None:
-    configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
-    dist_info = init_distributed(cfg.device)
-    try:
+    with training_process(cfg) as dist_info:
         train(cfg, dist_info)
-    finally:
-        shutdown_distributed()
 
 
 def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     device = dist_info.device
-    train_state.seed_everything(cfg.seed)
+    seed_everything(cfg.seed)
 
     # ---- data: the whole dataset on the device, checked before anything else --------------
     train_images, train_labels = (t.to(device) for t in load_split(cfg.data.root, "train"))
@@ -82,100 +74,56 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     model = build_model(cfg.model).to(device)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if dist_info.distributed:
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    forward = torch.compile(model) if cfg.trainer.compile else model
+    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
+        if dist_info.distributed else model
+    forward = torch.compile(ddp_model) if cfg.trainer.compile else ddp_model
 
-    # ---- optimization: batch bookkeeping, LR rule, schedule ---------------------------------
-    micro_batch = cfg.trainer.batch_size
-    accumulate = accumulation_steps(cfg.trainer.global_batch_size, micro_batch, dist_info.world_size)
-    global_batch = micro_batch * dist_info.world_size * accumulate
-    lr = scaled_lr(cfg.optim.lr, global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
+    # ---- optimization: steps of accumulated micro-batches, LR rule, schedule ----------------
+    sampler = ResumableDistributedSampler(
+        len(train_images), dist_info.rank, dist_info.world_size, seed=cfg.seed, shuffle=True, drop_last=True
+    )
+    plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.keep)
+    lr = scaled_lr(cfg.optim.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
     groups = param_groups(model, cfg.optim.weight_decay)
     if cfg.optim.name == "sgd":
         optimizer = torch.optim.SGD(groups, lr=lr, momentum=cfg.optim.momentum, nesterov=True)
     else:
         optimizer = torch.optim.AdamW(groups, lr=lr)
-    sampler = ResumableDistributedSampler(
-        len(train_images), dist_info.rank, dist_info.world_size, seed=cfg.seed, shuffle=True, drop_last=True
-    )
-    steps_per_epoch = math.ceil(math.ceil(sampler.samples_per_rank_in_epoch() / micro_batch) / accumulate)
-    total_steps = steps_per_epoch * cfg.trainer.epochs
-    if cfg.trainer.max_steps:
-        total_steps = min(total_steps, cfg.trainer.max_steps)
-    scheduler = warmup_cosine(
-        optimizer, round(cfg.optim.warmup_epochs * steps_per_epoch), total_steps, cfg.optim.min_lr_ratio
-    )
+    scheduler = warmup_cosine(optimizer, round(cfg.optim.warmup_epochs * plan.per_epoch), plan.total,
+                              cfg.optim.min_lr_ratio)
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
 
-    # ---- resume: the newest valid checkpoint in the checkpoint directory, if any ------------
-    checkpoints = CheckpointManager.from_config(cfg.checkpoint)
-    progress = train_state.Progress()
-    # Loaded to the CPU: RNG states must be there, and so must the optimizer's step counts (on a GPU
-    # each optimizer step would read them back to the host).
-    loaded = checkpoints.load_latest() if cfg.checkpoint.resume else None
-    if loaded is not None:
-        progress = train_state.restore(loaded.state, model, optimizer, scheduler, scaler, sampler, train_sums)
-    else:
-        sampler.set_epoch(0)
-
-    logger = RunLogger.from_config(cfg, dist_info.is_main, resume_step=progress.step)
-    if loaded is not None:
-        logger.console(f"resumed from {loaded.path} (step {progress.step}, epoch {progress.epoch})")
-    logger.console(
-        f"fashion_mnist: {dist_info.world_size} rank(s) on {device.type}, global batch {global_batch} "
-        f"({micro_batch} x {dist_info.world_size} ranks x {accumulate} accumulation), lr {lr:g}, "
-        f"{total_steps} steps"
-    )
-
-    timer = train_state.SegmentTimer()
-    cadence = CheckpointCadence.from_config(cfg.checkpoint)
-
-    def save(metrics: dict[str, float] | None = None) -> None:
-        progress.train_seconds += timer.lap()
-        state = train_state.capture(model, optimizer, scheduler, scaler, sampler, progress, train_sums)
-        checkpoints.save(progress.step, state, metrics)
-        cadence.saved()
+    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run.py) ---------
+    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                                  scaler=scaler, sampler=sampler, train_sums=train_sums)
+    progress = run.resume()
+    run.console(f"fashion_mnist: {dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, lr {lr:g}, "
+                f"{plan.total} steps")
 
     def run_eval() -> dict[str, float]:
-        metrics = evaluate(forward, test_images, test_labels, cfg, dist_info)
-        logger.log(metrics, progress.step)
-        logger.console(f"epoch {progress.epoch}, step {progress.step}: "
-                       + ", ".join(f"{name} {value:.4f}" for name, value in metrics.items()))
-        return metrics
-
-    def training_done() -> bool:
-        return progress.epoch >= cfg.trainer.epochs or progress.step >= total_steps
+        return run.log_eval(evaluate(forward, test_images, test_labels, cfg, dist_info))
 
     # ---- training loop --------------------------------------------------------------------
     # The step reads plain dataclass copies of its settings: a DictConfig lookup costs about 20 µs.
     trainer_cfg, data_cfg, optim_cfg = (OmegaConf.to_object(node) for node in (cfg.trainer, cfg.data, cfg.optim))
     seed = cfg.seed
     model.train()
-    if not training_done():
-        progress.finished = False  # a finished run restarted with more epochs or steps goes on
-    while not training_done():
-        micro_batches = sampler.index_batches(micro_batch, device)
-        steps_left_in_epoch = math.ceil(len(micro_batches) / accumulate)
-        bar = logger.progress(steps_per_epoch, initial=steps_per_epoch - steps_left_in_epoch,
-                              description=f"epoch {progress.epoch + 1}/{trainer_cfg.epochs}")
-        for first in range(0, len(micro_batches), accumulate):
-            group = micro_batches[first : first + accumulate]
-            group_samples = sum(len(batch) for batch in group)
+    while not run.training_done():
+        for group in run.steps(sampler.index_batches(plan.micro_batch, device)):  # one optimizer step per group
             generator = seeded_generator(device, seed, progress.step, dist_info.rank)
             for i, batch in enumerate(group):
-                x = augment(normalize(train_images[batch]), data_cfg.random_crop_padding, data_cfg.horizontal_flip,
-                            generator)
+                x = random_crop_and_flip(normalize(train_images[batch]), data_cfg.random_crop_padding,
+                                         data_cfg.horizontal_flip, generator, fill=BLACK)
                 if trainer_cfg.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
                 y = train_labels[batch]
                 skip_grad_sync = dist_info.distributed and i < len(group) - 1
-                with model.no_sync() if skip_grad_sync else contextlib.nullcontext():
+                with ddp_model.no_sync() if skip_grad_sync else contextlib.nullcontext():
                     with autocast(device, trainer_cfg.precision):
                         logits = forward(x)
                         loss = F.cross_entropy(logits, y, label_smoothing=optim_cfg.label_smoothing)
-                    scaler.scale(loss * (len(batch) / group_samples)).backward()
+                    scaler.scale(loss * (len(batch) / group.samples)).backward()
                 train_sums.add(loss=loss.detach() * len(batch), correct=(logits.argmax(1) == y).sum(),
                                count=len(batch))
             if trainer_cfg.grad_clip_norm:
@@ -185,60 +133,18 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            sampler.advance(group_samples)
-            progress.step += 1
-            bar.update()
+            run.step_done(group.samples)
 
             if progress.step % trainer_cfg.log_every_steps == 0:
                 sums = train_sums.reduce()
                 train_sums.reset()
-                metrics = {"train/loss": ratio(sums, "loss", "count"),
-                           "train/accuracy": ratio(sums, "correct", "count"),
-                           "train/lr": scheduler.get_last_lr()[0]}
-                logger.log(metrics, progress.step)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['train/accuracy']:.3f}")
-            if progress.step >= total_steps:
-                break
-            decision = cadence.after_step(progress.step)
-            if decision.save:
-                save()
-            if decision.stop:
-                bar.close()
-                checkpoints.wait()
-                logger.close()
-                raise cadence.preempted(progress.step)
-        bar.close()
-
-        if len(sampler) == 0:  # every sample of this epoch is done
-            progress.epoch += 1
-            sampler.set_epoch(progress.epoch)
-            if not training_done():
-                due = progress.epoch % trainer_cfg.eval_every_epochs == 0
-                save(run_eval() if due else None)
+                run.log_train({"train/loss": ratio(sums, "loss", "count"),
+                               "train/top1": ratio(sums, "correct", "count"),
+                               "train/lr": scheduler.get_last_lr()[0]})
+        run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------
-    if progress.finished:
-        eval_metrics = loaded.metrics
-    else:
-        eval_metrics = run_eval()
-        progress.finished = True
-        save(eval_metrics)
-    checkpoints.wait()
-    logger.close()
-    cadence.close()
-    if dist_info.is_main:
-        summary = write_summary(
-            cfg.run_dir,
-            recipe=cfg.recipe,
-            metrics=eval_metrics,
-            progress=progress,
-            world_size=dist_info.world_size,
-            model_digest=train_state.model_digest(model),
-        )
-        logger.console(
-            f"done: eval accuracy {eval_metrics['eval/accuracy']:.4f} after {progress.step} steps\n"
-            + where_outputs_are(cfg, summary)
-        )
+    run.finish(run_eval)
 
 
 if __name__ == "__main__":

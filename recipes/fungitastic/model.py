@@ -14,7 +14,7 @@ from pathlib import Path
 
 import timm
 import torch
-from timm.optim._param_groups import param_groups_layer_decay
+from timm.optim import param_groups_layer_decay
 from torch import nn
 
 from common.errors import UserError

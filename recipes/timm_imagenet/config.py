@@ -1,5 +1,10 @@
-"""The timm_imagenet config schema; ``conf/timm_imagenet.yaml`` and the ``conf/experiment/timm_*``
-presets set its values. Names follow timm's ``train.py`` arguments where there is one."""
+"""The timm_imagenet config schema and every default of the recipe (``conf/timm_imagenet.yaml`` only
+composes it with the shared run layout; the ``conf/experiment/timm_*`` presets set published recipes'
+values). Names follow timm's ``train.py`` arguments where there is one.
+
+Default: a plain 90-epoch ResNet-50 baseline (Nesterov SGD, lr 0.1 per 256 images scaled linearly,
+cosine with 5 warmup epochs, label smoothing 0.1, bf16, channels_last, background checkpoints).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-
-from common.config import CheckpointConfig, Decode, LoggingConfig, RunConfig, TrainerConfig
+from common.config import (
+    CheckpointConfig,
+    Decode,
+    EmaConfig,
+    LoggingConfig,
+    LRScaling,
+    MixupConfig,
+    Precision,
+    RunConfig,
+    TrainerConfig,
+)
 
 
 @dataclass
@@ -22,10 +35,10 @@ class DataConfig:
     decode: Decode = Decode.cpu  # training JPEGs: cpu = decoded and cropped in DataLoader workers; gpu = on the device
     draft_decode: bool = True  # decode at 1/2, 1/4 or 1/8 scale when the crop stays >= the output size (cpu)
     # Resolutions: 0 / "" / 0.0 take the model's own default (timm's resolve_data_config).
-    train_size: int = 0
-    eval_size: int = 0
-    eval_crop_pct: float = 0.0  # eval resizes to eval_size / crop_pct, then centre-crops eval_size
-    interpolation: str = ""  # bilinear | bicubic | random
+    train_size: int = 224
+    eval_size: int = 224
+    eval_crop_pct: float = 0.875  # eval resizes to eval_size / crop_pct, then centre-crops eval_size
+    interpolation: str = "bilinear"  # bilinear | bicubic | random
     # Training augmentation (timm's create_transform).
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # RandomResizedCrop area range
     ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
@@ -40,17 +53,6 @@ class DataConfig:
 
 
 @dataclass
-class MixupConfig:
-    """timm's Mixup/CutMix; both alphas 0 = off."""
-
-    mixup_alpha: float = 0.0
-    cutmix_alpha: float = 0.0
-    prob: float = 1.0  # probability of mixing a batch (or element)
-    switch_prob: float = 0.5  # probability of CutMix instead of Mixup when both are on
-    mode: str = "batch"  # batch | pair | elem
-
-
-@dataclass
 class ModelConfig:
     name: str = "resnet50"  # any timm model name (`timm.list_models()`), optionally with a weight tag
     pretrained: bool = False  # load the name's published weights from the Hugging Face hub
@@ -58,13 +60,6 @@ class ModelConfig:
     drop_rate: float = 0.0  # dropout before the classifier
     drop_path_rate: float = 0.0  # stochastic depth
     kwargs: dict[str, Any] = field(default_factory=dict)  # more timm.create_model arguments, e.g. img_size
-
-
-@dataclass
-class EmaConfig:
-    enabled: bool = False
-    decay: float = 0.9998  # per optimizer step
-    warmup: bool = False  # timm's decay warmup (lower decay early in training)
 
 
 class Scheduler(str, Enum):
@@ -82,8 +77,8 @@ class Loss(str, Enum):
 
 @dataclass
 class OptimConfig:
-    opt: str = "sgd"  # any timm optimizer (timm.optim.list_optimizers()); "sgd" is Nesterov SGD
-    lr: float = 0.1  # for trainer.lr_reference_batch_size, scaled by trainer.lr_scaling
+    opt: str = "sgd"  # any timm optimizer (timm.optim.list_optimizers()); timm's "sgd" is Nesterov SGD
+    lr: float = 0.1  # for trainer.lr_reference_batch_size (256) images, scaled by trainer.lr_scaling
     momentum: float = 0.9
     weight_decay: float = 1e-4  # not applied to norms and biases
     opt_eps: float = 0.0  # 0 = the optimizer's default
@@ -107,9 +102,9 @@ class TimmImageNetConfig(RunConfig):
     model: ModelConfig = field(default_factory=ModelConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
+        epochs=90, lr_scaling=LRScaling.linear, precision=Precision.bf16, channels_last=True, log_every_steps=100))
+    # Background checkpoints: the loop waits only for the copy to host memory.
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(async_save=True))
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-
-ConfigStore.instance().store(name="timm_imagenet_schema", node=TimmImageNetConfig)

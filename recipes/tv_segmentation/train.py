@@ -4,8 +4,8 @@
     python -m recipes.tv_segmentation.train [hydra overrides]
     torchrun --nproc-per-node 8 -m recipes.tv_segmentation.train +experiment=seg_fcn_resnet101_coco
 
-Run contract (see README.md): the run directory is ``runs/tv_segmentation/<name>``; a run
-whose checkpoint directory holds a valid checkpoint resumes from it; SIGTERM/SIGUSR1 finish
+Run contract (see README.md, ``common/run.py``): the run directory is ``runs/tv_segmentation/<name>``;
+a run whose checkpoint directory holds a valid checkpoint resumes from it; SIGTERM/SIGUSR1 finish
 the step, checkpoint and exit with code 75; a finished run writes ``summary.json``.
 """
 
@@ -18,22 +18,18 @@ from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from common import train_state
-from common.checkpoint import CheckpointManager
 from common.data import PerSampleSeeded, make_loader
-from common.determinism import configure_determinism
-from common.distributed import DistInfo, init_distributed, shutdown_distributed
-from common.entry import recipe_main
-from common.errors import UserError
-from common.images import Normalize
-from common.loggers import RunLogger
+from common.distributed import DistInfo
+from common.entry import recipe_main, training_process
+from common.image_batches import Normalize
 from common.metrics import SumMetrics, ratio
-from common.optim import accumulation_steps, scaled_lr
+from common.optim import scaled_lr
 from common.precision import autocast, grad_scaler
-from common.preemption import CheckpointCadence
+from common.rng import seed_everything
+from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
-from common.summary import where_outputs_are, write_summary
-from recipes.tv_segmentation import config as _schema  # noqa: F401  (registers the schema)
+from common.steps import EpochTail, StepPlan
+from recipes.tv_segmentation.config import TvSegmentationConfig
 from recipes.tv_segmentation.data import (
     MEAN,
     STD,
@@ -76,19 +72,15 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, normalize: Normalize, c
     return metrics
 
 
-@recipe_main("tv_segmentation")
+@recipe_main(TvSegmentationConfig)
 def main(cfg: DictConfig) -> None:
-    configure_determinism(cfg.trainer.deterministic, cfg.device)  # before CUDA starts
-    dist_info = init_distributed(cfg.device)
-    try:
+    with training_process(cfg) as dist_info:
         train(cfg, dist_info)
-    finally:
-        shutdown_distributed()
 
 
 def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     device = dist_info.device
-    train_state.seed_everything(cfg.seed)
+    seed_everything(cfg.seed)
 
     # ---- data: file lists checked before anything else; images decoded in DataLoader workers --
     train_pairs = find_pairs(cfg.data, cfg.data.train_split)
@@ -101,12 +93,13 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                                           shuffle=True, drop_last=True, yield_epoch=True)
     val_sampler = ResumableDistributedSampler(len(val_set), dist_info.rank, dist_info.world_size, shuffle=False,
                                               drop_last=False)
+    # Full optimizer steps only: an epoch's remainder of less than a step is left out (BatchNorm).
+    plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.drop_partial_step)
     pin_memory = device.type == "cuda"
-    micro_batch = cfg.trainer.batch_size
     # Own generators: creating an iterator must not draw from the global RNG that dropout uses.
-    train_loader = make_loader(train_set, sampler, micro_batch, cfg.trainer.num_workers, pin_memory,
-                               collate_fn=pad_collate, drop_last=True, generator=torch.Generator())
-    val_loader = make_loader(val_set, val_sampler, cfg.data.eval_batch_size, cfg.trainer.num_workers, pin_memory,
+    train_loader = make_loader(train_set, sampler, plan.micro_batch, cfg.trainer.num_workers, pin_memory,
+                               collate_fn=pad_collate, drop_last=plan.drop_last, generator=torch.Generator())
+    val_loader = make_loader(val_set, val_sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers, pin_memory,
                              collate_fn=pad_collate, generator=torch.Generator())
     normalize = Normalize(MEAN, STD, device)  # the loaders hand over uint8
 
@@ -118,95 +111,51 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     model = model.to(device)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if dist_info.distributed:
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    forward = torch.compile(model) if cfg.trainer.compile else model
+    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
+        if dist_info.distributed else model
+    forward = torch.compile(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- optimization: SGD with momentum, aux head at 10x LR, warmup + poly schedule ----------
-    accumulate = accumulation_steps(cfg.trainer.global_batch_size, micro_batch, dist_info.world_size)
-    global_batch = micro_batch * dist_info.world_size * accumulate
-    lr = scaled_lr(cfg.optim.lr, global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
+    lr = scaled_lr(cfg.optim.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
     groups = param_groups(model, aux_lr=lr * cfg.optim.aux_lr_multiplier)
     optimizer = torch.optim.SGD(groups, lr=lr, momentum=cfg.optim.momentum, weight_decay=cfg.optim.weight_decay)
-    samples_per_step = micro_batch * accumulate  # per rank
-    steps_per_epoch = sampler.samples_per_rank_in_epoch() // samples_per_step
-    if steps_per_epoch == 0:
-        raise UserError(f"the {cfg.data.train_split} split has {len(train_set)} images, fewer than one step of "
-                        f"{global_batch} needs")
-    total_steps = steps_per_epoch * cfg.trainer.epochs
-    if cfg.trainer.max_steps:
-        total_steps = min(total_steps, cfg.trainer.max_steps)
-    scheduler = warmup_poly(optimizer, round(cfg.optim.warmup_epochs * steps_per_epoch), total_steps,
+    scheduler = warmup_poly(optimizer, round(cfg.optim.warmup_epochs * plan.per_epoch), plan.total,
                             cfg.optim.poly_power, cfg.optim.warmup_start_factor)
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
 
-    # ---- resume: the newest valid checkpoint in the checkpoint directory, if any ------------
-    checkpoints = CheckpointManager.from_config(cfg.checkpoint)
-    progress = train_state.Progress()
-    # Loaded to the CPU: RNG states must be there, and so must the optimizer's step counts (on a GPU
-    # each optimizer step would read them back to the host).
-    loaded = checkpoints.load_latest() if cfg.checkpoint.resume else None
-    if loaded is not None:
-        progress = train_state.restore(loaded.state, model, optimizer, scheduler, scaler, sampler, train_sums)
-    else:
-        sampler.set_epoch(0)
-
-    logger = RunLogger.from_config(cfg, dist_info.is_main, resume_step=progress.step)
-    if loaded is not None:
-        logger.console(f"resumed from {loaded.path} (step {progress.step}, epoch {progress.epoch})")
-    logger.console(
+    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run.py) ---------
+    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                                  scaler=scaler, sampler=sampler, train_sums=train_sums)
+    progress = run.resume()
+    run.console(
         f"tv_segmentation: {cfg.model.name} on {cfg.data.dataset.value} ({len(train_set)} train, {len(val_set)} val "
-        f"images), {dist_info.world_size} rank(s) on {device.type}, global batch {global_batch} "
-        f"({micro_batch} x {dist_info.world_size} ranks x {accumulate} accumulation), lr {lr:g}, {total_steps} steps, "
-        f"{train_loader.num_workers} loader workers per rank"
+        f"images), {dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, lr {lr:g}, {plan.total} "
+        f"steps, {train_loader.num_workers} loader workers per rank"
     )
     if synced_norms:
-        logger.console(f"SyncBatchNorm: {synced_norms} BatchNorm layers synchronised across "
-                       f"{dist_info.world_size} ranks")
-
-    timer = train_state.SegmentTimer()
-    cadence = CheckpointCadence.from_config(cfg.checkpoint)
-
-    def save(metrics: dict[str, float] | None = None) -> None:
-        progress.train_seconds += timer.lap()
-        state = train_state.capture(model, optimizer, scheduler, scaler, sampler, progress, train_sums)
-        checkpoints.save(progress.step, state, metrics)
-        cadence.saved()
+        run.console(f"SyncBatchNorm: {synced_norms} BatchNorm layers synchronised across {dist_info.world_size} ranks")
 
     def run_eval() -> dict[str, float]:
-        metrics = evaluate(forward, val_loader, normalize, cfg, dist_info)
-        logger.log(metrics, progress.step)
-        logger.console(f"epoch {progress.epoch}, step {progress.step}: eval/miou {metrics['eval/miou']:.4f}, "
-                       f"eval/pixel_accuracy {metrics['eval/pixel_accuracy']:.4f}")
-        return metrics
+        return run.log_eval(evaluate(forward, val_loader, normalize, cfg, dist_info),
+                            headline=["eval/miou", "eval/pixel_accuracy"])
 
-    def training_done() -> bool:
-        return progress.epoch >= cfg.trainer.epochs or progress.step >= total_steps
-
-    # ---- training loop: full optimizer steps only; an epoch's remainder (< one step) is dropped --
+    # ---- training loop --------------------------------------------------------------------
     # The step reads plain dataclass copies of its settings: a DictConfig lookup costs about 20 µs.
     trainer_cfg, model_cfg = (OmegaConf.to_object(node) for node in (cfg.trainer, cfg.model))
     model.train()
-    if not training_done():
-        progress.finished = False  # a finished run restarted with more epochs or steps goes on
-    while not training_done():
-        steps_left_in_epoch = len(sampler) // samples_per_step
-        bar = logger.progress(steps_per_epoch, initial=steps_per_epoch - steps_left_in_epoch,
-                              description=f"epoch {progress.epoch + 1}/{trainer_cfg.epochs}")
-        batches = iter(train_loader)
-        for _ in range(steps_left_in_epoch):
-            for i in range(accumulate):
-                images, masks = next(batches)
+    while not run.training_done():
+        for group in run.steps(train_loader):  # one optimizer step per group of micro-batches
+            for i, (images, masks) in enumerate(group):
                 images = normalize(images)
                 masks = masks.to(device, non_blocking=True).long()
                 if trainer_cfg.channels_last:
                     images = images.contiguous(memory_format=torch.channels_last)
-                skip_grad_sync = dist_info.distributed and i < accumulate - 1
-                with model.no_sync() if skip_grad_sync else contextlib.nullcontext():
+                skip_grad_sync = dist_info.distributed and i < len(group) - 1
+                with ddp_model.no_sync() if skip_grad_sync else contextlib.nullcontext():
                     with autocast(device, trainer_cfg.precision), training_resize(device, trainer_cfg.deterministic):
                         loss = segmentation_loss(forward(images), masks, model_cfg.aux_weight)
-                    scaler.scale(loss / accumulate).backward()
+                    scaler.scale(loss / len(group)).backward()
                 train_sums.add(loss=loss.detach(), batches=1)
             if trainer_cfg.grad_clip_norm:
                 scaler.unscale_(optimizer)
@@ -215,61 +164,16 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            sampler.advance(samples_per_step)
-            progress.step += 1
-            bar.update()
+            run.step_done(group.samples)
 
             if progress.step % trainer_cfg.log_every_steps == 0:
                 sums = train_sums.reduce()
                 train_sums.reset()
-                metrics = {"train/loss": ratio(sums, "loss", "batches"), "train/lr": scheduler.get_last_lr()[0]}
-                logger.log(metrics, progress.step)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-            if progress.step >= total_steps:
-                break
-            decision = cadence.after_step(progress.step)
-            if decision.save:
-                save()
-            if decision.stop:
-                bar.close()
-                checkpoints.wait()
-                logger.close()
-                raise cadence.preempted(progress.step)
-        bar.close()
-
-        if len(sampler) < samples_per_step:  # every full step of this epoch is done
-            progress.epoch += 1
-            sampler.set_epoch(progress.epoch)
-            if not training_done():
-                due = progress.epoch % trainer_cfg.eval_every_epochs == 0
-                save(run_eval() if due else None)
+                run.log_train({"train/loss": ratio(sums, "loss", "batches"), "train/lr": scheduler.get_last_lr()[0]})
+        run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------
-    if progress.finished:
-        eval_metrics = loaded.metrics
-    else:
-        eval_metrics = run_eval()
-        progress.finished = True
-        save(eval_metrics)
-    checkpoints.wait()
-    logger.close()
-    cadence.close()
-    if dist_info.is_main:
-        summary = write_summary(
-            cfg.run_dir,
-            recipe=cfg.recipe,
-            metrics=eval_metrics,
-            progress=progress,
-            world_size=dist_info.world_size,
-            model_digest=train_state.model_digest(model),
-            model=cfg.model.name,
-            dataset=cfg.data.dataset.value,
-        )
-        logger.console(
-            f"done: eval mIoU {eval_metrics['eval/miou']:.4f}, pixel accuracy "
-            f"{eval_metrics['eval/pixel_accuracy']:.4f} after {progress.step} steps\n"
-            + where_outputs_are(cfg, summary)
-        )
+    run.finish(run_eval, model=cfg.model.name, dataset=cfg.data.dataset.value)
 
 
 if __name__ == "__main__":

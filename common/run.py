@@ -1,0 +1,518 @@
+"""The run contract, in one place: resume, checkpoints by steps, wall clock and signals, the
+pre-emption exit, and the finish with ``summary.json``.
+
+A recipe builds one :class:`TrainingRun` from the objects a checkpoint holds (model, optimizer,
+LR schedule, grad scaler, sampler, train metric sums, any extra state such as an EMA) and keeps
+its loop (forward, backward, optimizer step, evaluation) in its own ``train.py``::
+
+    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, ...)
+    progress = run.resume()                          # the newest valid checkpoint, if any
+    while not run.training_done():
+        for group in run.steps(micro_batches):       # one optimizer step per group of micro-batches
+            ...forward, backward, optimizer step...
+            run.step_done(group.samples)
+            ...log every trainer.log_every_steps: run.log_train(...)
+        run.end_epoch(evaluate)                      # evaluates (when due) and saves
+    run.finish(evaluate)                             # final evaluation, checkpoint, summary.json
+
+Between two steps :meth:`TrainingRun.steps` saves when the cadence says so: every
+``checkpoint.every_steps`` steps, every ``checkpoint.every_seconds`` of wall clock, and at once
+after SIGTERM or SIGUSR1 (SLURM's ``--signal``, the ISC, Kubernetes), after which it raises
+:class:`common.errors.Preempted`, which the entry point turns into exit code 75. Every rank must
+take the same decision at the same step, or a collective would hang: the step cadence is the
+same everywhere by construction; the wall clock and signals are local, so every
+``checkpoint.sync_every_steps`` steps the ranks agree with one tiny all-reduce (MAX) of a host
+tensor over gloo. On a GPU it waits for the other ranks' processes, never for the GPU's queue of
+work (an nccl all-reduce read back on the host would drain it); a single process checks every
+step at no cost. Nothing here reads a value back from the GPU during a step.
+
+A launcher running in this process may have its own handler for such a signal: submitit (the
+Hydra SLURM launcher) requeues the job on SIGUSR2 and raises ``SystemExit`` wherever the program
+happens to be, for instance inside ``torch.save``, which turned it into a failed save and a failed
+job. Such a handler is displaced too, and handed the signal once the checkpoint is written
+(:meth:`StopSignals.hand_over`): the job then requeues from a complete checkpoint.
+
+A checkpoint holds everything a bit-exact continuation needs: the tracked objects, the sampler's
+position inside the epoch, every rank's RNG states and partial metric sums, and the progress
+counters. Restarting a finished run only rewrites its summary; restarting it with more epochs
+or steps goes on training.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common import distributed
+from common.checkpoint import KEEP_ALL, CheckpointManager, LoadedCheckpoint, is_artifact_path
+from common.distributed import DistInfo
+from common.errors import Preempted, UserError
+from common.loggers import RunLogger
+from common.metrics import SumMetrics
+from common.rng import rng_state, set_rng_state
+from common.sampler import ResumableDistributedSampler
+from common.steps import MicroBatches, StepPlan
+from common.summary import output_lines, state_digest, write_summary
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Taken over only when some Python code already handles it (submitit's requeue signal by default).
+LAUNCHER_SIGNALS = (signal.SIGUSR2,)
+
+
+@dataclass
+class Progress:
+    """Counters that survive restarts."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # epoch in progress
+    resumes: int = 0  # how many times this run was resumed from a checkpoint
+    train_seconds: float = 0.0  # wall time spent in earlier segments of this run
+    finished: bool = False  # the final checkpoint: restarting only rewrites the summary
+    extra: dict[str, Any] = field(default_factory=dict)  # recipe-specific counters (e.g. stage)
+
+    def describe(self) -> str:
+        """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""
+        return ", ".join([f"step {self.step}", f"epoch {self.epoch}", *(f"{k} {v}" for k, v in self.extra.items())])
+
+
+PROGRESS_FIELDS = {progress_field.name for progress_field in fields(Progress)}
+
+
+# ---- when to save and when to stop ------------------------------------------------------------
+
+
+class StopSignals:
+    """Records the first SIGTERM/SIGUSR1 (or a launcher's signal) instead of dying, so the step
+    can finish and be checkpointed."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._received: int | None = None
+        self._previous = {}
+        claimed = [signum for signum in LAUNCHER_SIGNALS if callable(signal.getsignal(signum))]
+        for signum in (*STOP_SIGNALS, *claimed):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self._received is None:
+            self._received = signum
+        self.signal_name = signal.Signals(signum).name
+
+    @property
+    def raised(self) -> bool:
+        return self.signal_name is not None
+
+    def hand_over(self) -> None:
+        """Call the Python handler the first signal displaced, if any (submitit's requeue, which
+        exits). For after the checkpoint: nothing of the run is lost whatever that handler does."""
+        previous = self._previous.get(self._received) if self._received is not None else None
+        if callable(previous):
+            previous(self._received, None)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def host_group() -> dist.ProcessGroup | None:
+    """A group that all-reduces host tensors: the default one when it has gloo (a CPU run, or
+    ``cpu:gloo,cuda:nccl``), else a gloo group made for it. Collective: every rank calls it."""
+    if "gloo" in dist.get_backend():
+        return None
+    return dist.new_group(backend="gloo")
+
+
+@dataclass(frozen=True)
+class Decision:
+    save: bool
+    stop: bool
+
+
+class CheckpointCadence:
+    """Decides after each optimizer step whether to save and whether to stop, the same on every rank."""
+
+    def __init__(self, every_steps: int, every_seconds: float, sync_every_steps: int,
+                 stop_signals: StopSignals) -> None:
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.sync_every_steps = max(1, sync_every_steps) if self.distributed else 1
+        self.group = host_group() if self.distributed else None
+        self.stop_signals = stop_signals
+        self.last_save = time.monotonic()
+
+    def preempted(self, step: int) -> Preempted:
+        """The exception raised once the checkpoint for a stop decision is written. A launcher's
+        handler the signal displaced gets it first (submitit requeues and exits there)."""
+        self.stop_signals.hand_over()
+        received = self.stop_signals.signal_name or "a stop signal on another rank"
+        return Preempted(f"received {received}: checkpoint saved at step {step}")
+
+    def close(self) -> None:
+        """Give the signals back to the handlers they had before."""
+        self.stop_signals.restore()
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+    def after_step(self, step: int) -> Decision:
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        if step % self.sync_every_steps != 0:
+            return Decision(save=by_steps, stop=False)
+        due = self.every_seconds > 0 and time.monotonic() - self.last_save >= self.every_seconds
+        stop = self.stop_signals.raised
+        if self.distributed:
+            flags = torch.tensor([float(due), float(stop)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            due, stop = (value > 0 for value in flags.tolist())
+        return Decision(save=by_steps or due or stop, stop=stop)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def merged_sums(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Several ranks' :meth:`~common.metrics.SumMetrics.state_dict` added into one."""
+    merged: dict[str, torch.Tensor] = {}
+    for sums in per_rank:
+        for name, value in sums.items():
+            merged[name] = merged[name] + value.cpu() if name in merged else value.cpu()
+    return merged
+
+
+class TrainingRun:
+    """One run's contract, built once from the objects a checkpoint holds.
+
+    ``model`` is the plain module (not its DDP or ``torch.compile`` wrapper, which share its
+    parameters). ``extra_state`` names more objects with ``state_dict``/``load_state_dict`` (an
+    EMA model): each is checkpointed and its digest reported as ``<name>_digest``. With
+    ``sharded=True`` the model and optimizer state go through ``torch.distributed.checkpoint``
+    (each rank writes its FSDP shards; a checkpoint resumes on another number of ranks).
+    ``milestones`` maps epochs to a reason: the checkpoint saved when that epoch ends is kept
+    for good (``_force``). A recipe that starts a fresh optimizer mid-run (dinov2's stage switch)
+    hands it over with :meth:`track_optimizer`.
+    """
+
+    def __init__(
+        self,
+        dist_info: DistInfo,
+        plan: StepPlan,
+        checkpoints: CheckpointManager,
+        cadence: CheckpointCadence,
+        open_logger: Callable[[int], RunLogger],
+        *,
+        recipe: str,
+        run_dir: str | Path,
+        resume_from_checkpoint: bool,
+        eval_every_epochs: int,
+        model: torch.nn.Module,
+        sampler: ResumableDistributedSampler,
+        train_sums: SumMetrics,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
+        extra_state: dict[str, Any] | None = None,
+        sharded: bool = False,
+        milestones: dict[int, str] | None = None,
+    ) -> None:
+        self.dist_info = dist_info
+        self.plan = plan
+        self.checkpoints = checkpoints
+        self.cadence = cadence
+        self.open_logger = open_logger
+        self.recipe = recipe
+        self.run_dir = Path(run_dir)
+        self.resume_from_checkpoint = resume_from_checkpoint
+        self.eval_every_epochs = eval_every_epochs
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.sampler = sampler
+        self.train_sums = train_sums
+        self.extra_state = dict(extra_state or {})
+        self.sharded = sharded
+        self.milestones = dict(milestones or {})
+        self.progress = Progress()
+        self.logger: RunLogger | None = None
+        self.loaded: LoadedCheckpoint | None = None
+        self._bar: Any = None
+        self._clock = time.monotonic()  # wall time of this segment, added to progress.train_seconds at each save
+        self._log_clock = self._clock
+        self._samples_since_log = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any, dist_info: DistInfo, plan: StepPlan, **objects: Any) -> TrainingRun:
+        """From a recipe's whole config: its ``checkpoint`` node (read here only), ``logging``,
+        ``trainer.eval_every_epochs``, ``recipe`` and ``run_dir``. ``objects``: see the class.
+        In the ISC's ``CHECKPOINT_ARTIFACT_PATH`` nothing is pruned: the ISC deletes what it does not ship.
+        Installs the SIGTERM/SIGUSR1 handlers."""
+        checkpoint = cfg.checkpoint
+        checkpoints = CheckpointManager(
+            checkpoint.dir,
+            keep_last=KEEP_ALL if is_artifact_path(checkpoint.dir) else checkpoint.keep_last,
+            keep_best=checkpoint.keep_best,
+            best_metric=checkpoint.best_metric,
+            best_mode=checkpoint.best_mode,
+            async_save=checkpoint.async_save,
+        )
+        cadence = CheckpointCadence(checkpoint.every_steps, checkpoint.every_seconds, checkpoint.sync_every_steps,
+                                    StopSignals())
+        open_logger = functools.partial(RunLogger.from_config, cfg, dist_info.is_main)
+        return cls(dist_info, plan, checkpoints, cadence, open_logger, recipe=cfg.recipe, run_dir=cfg.run_dir,
+                   resume_from_checkpoint=checkpoint.resume, eval_every_epochs=cfg.trainer.eval_every_epochs,
+                   **objects)
+
+    # ---- resume ---------------------------------------------------------------------------------
+
+    def resume(self) -> Progress:
+        """Restore everything from the newest valid checkpoint (none: start at step 0), open the
+        logs and return the progress. Loaded to the CPU: RNG states must be there, and so must the
+        optimizer's step counts (on a GPU each optimizer step would read them back to the host)."""
+        sharded_model = None
+        if self.resume_from_checkpoint:
+            if self.sharded:
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+                sharded_model = {"model": get_model_state_dict(self.model)}
+            self.loaded = self.checkpoints.load_latest(map_location="cpu", sharded_state=sharded_model)
+        if self.loaded is None:
+            self.sampler.set_epoch(0)
+        else:
+            try:
+                self._restore(self.loaded, sharded_model)
+            except (ValueError, KeyError, RuntimeError) as error:
+                raise UserError(f"the checkpoint {self.loaded.path} does not fit this run's config: "
+                                f"{str(error).splitlines()[0]}") from error
+        if not self.training_done():
+            self.progress.finished = False  # a finished run restarted with more epochs or steps goes on
+        self.logger = self.open_logger(self.progress.step)
+        if self.loaded is not None:
+            self.console(f"resumed from {self.loaded.path} ({self.progress.describe()})")
+        self._clock = self._log_clock = time.monotonic()
+        self.cadence.saved()  # the wall-clock interval starts now, as after a save
+        return self.progress
+
+    def _restore(self, loaded: LoadedCheckpoint, sharded_model: dict[str, Any] | None) -> None:
+        """Load ``loaded`` into the tracked objects, one resume later. RNG states and partial metric
+        sums are restored per rank when the world size is unchanged. On a different world size
+        every rank takes rank 0's RNG states (the run continues, but cannot be bit-exact), and rank
+        0 takes the metric sums of all saved ranks while the others start from zero, so the totals
+        are kept."""
+        state = loaded.state
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.model, sharded_model["model"])
+        else:
+            self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self._restore_optimizer(loaded)
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        for name, obj in self.extra_state.items():
+            if name not in state.get("extra", {}):
+                raise UserError(f"{loaded.path} holds no {name} state: it was saved by a run without it")
+            obj.load_state_dict(state["extra"][name])
+        self.sampler.load_state_dict(state["sampler"])
+        rank, world_size = self.dist_info.rank, self.dist_info.world_size
+        rngs, saved_sums = state["rng"], state["metrics"]
+        same_world = len(rngs) == world_size
+        if same_world:
+            self.train_sums.load_state_dict(saved_sums[rank])
+        else:
+            self.train_sums.load_state_dict(merged_sums(saved_sums) if rank == 0 else {})
+        set_rng_state(rngs[rank] if same_world else rngs[0])
+        saved = {name: value for name, value in state["progress"].items() if name in PROGRESS_FIELDS}
+        self.progress = Progress(**saved)  # (checkpoints of earlier versions hold a counter no longer kept)
+        self.progress.resumes += 1
+
+    def _restore_optimizer(self, loaded: LoadedCheckpoint) -> None:
+        if self.sharded:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+            from common.checkpoint import SHARDED_DIR
+
+            shards = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+            dcp.load(shards, checkpoint_id=str(loaded.path / SHARDED_DIR))
+            set_optimizer_state_dict(self.model, self.optimizer, shards["optimizer"])
+        else:
+            self.optimizer.load_state_dict(loaded.state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(loaded.state["scheduler"])
+
+    def track_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any, restore: bool = False) -> None:
+        """Save ``optimizer`` and ``scheduler`` from now on, in place of the ones tracked so far.
+        ``restore``: they are the ones the checkpoint resumed from was saved with (a recipe that
+        chooses its optimizer by the progress :meth:`resume` returned): load their state."""
+        self.optimizer, self.scheduler = optimizer, scheduler
+        if restore and self.loaded is not None:
+            self._restore_optimizer(self.loaded)
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def training_done(self) -> bool:
+        return self.progress.epoch >= self.plan.epochs or self.progress.step >= self.plan.total
+
+    def steps(self, micro_batches: Iterable[Any]) -> Iterator[MicroBatches]:
+        """The optimizer steps left in this epoch, each the :class:`~common.steps.MicroBatches` of one
+        step (``micro_batches``: the rest of the epoch, as the sampler hands it out: index tensors or
+        a DataLoader). After each step (which must call :meth:`step_done`) it saves when the cadence
+        says so; after SIGTERM/SIGUSR1 it saves and raises :class:`~common.errors.Preempted`. It
+        ends at the epoch's end or at the run's last step."""
+        plan, progress = self.plan, self.progress
+        extra = f" ({', '.join(f'{k} {v}' for k, v in progress.extra.items())})" if progress.extra else ""
+        self._bar = self.logger.progress(plan.per_epoch, initial=plan.per_epoch - plan.steps_left(),
+                                         description=f"epoch {progress.epoch + 1}/{plan.epochs}{extra}")
+        try:
+            for group in plan.groups(micro_batches):
+                step = progress.step
+                yield group
+                if progress.step != step + 1:
+                    raise RuntimeError("the loop must call run.step_done() once after each optimizer step")
+                if progress.step >= plan.total:
+                    return  # the finish saves the last step
+                decision = self.cadence.after_step(progress.step)
+                if decision.save:
+                    self.save()
+                if decision.stop:
+                    self.checkpoints.wait()
+                    self.logger.close()
+                    raise self.cadence.preempted(progress.step)
+        finally:
+            self._bar.close()
+            self._bar = None
+
+    def step_done(self, samples: int) -> None:
+        """Count an optimizer step that used ``samples`` samples on each rank (the sampler's position
+        moves on by that many for every rank)."""
+        self.sampler.advance(samples)
+        self.progress.step += 1
+        self._samples_since_log += samples
+        self._bar.update()
+
+    def log_train(self, metrics: dict[str, float]) -> None:
+        """Log training metrics at this step, with ``train/images_per_s`` since the previous log
+        (every rank's samples, by wall clock, evaluations and saves included); show them on the
+        progress bar, or as a progress line where there is no terminal."""
+        now = time.monotonic()
+        images_per_s = self._samples_since_log * self.dist_info.world_size / max(now - self._log_clock, 1e-9)
+        metrics = {**metrics, "train/images_per_s": images_per_s}
+        self._samples_since_log, self._log_clock = 0, now
+        self.logger.log(metrics, self.progress.step)
+        if self._bar is not None:
+            self._bar.set_postfix({name.removeprefix("train/"): f"{value:.4g}" for name, value in metrics.items()})
+
+    def log_eval(self, metrics: dict[str, float], headline: list[str] | None = None) -> dict[str, float]:
+        """Log evaluation metrics at this step and print them (or the ``headline`` ones) in a line."""
+        self.logger.log(metrics, self.progress.step)
+        shown = metrics if headline is None else {name: metrics[name] for name in headline}
+        self.console(f"{self.progress.describe()}: "
+                     + ", ".join(f"{name} {value:.4f}" for name, value in shown.items()))
+        return metrics
+
+    def console(self, message: str) -> None:
+        """A line on stdout, from rank 0."""
+        self.logger.console(message)
+
+    def end_epoch(self, evaluate: Callable[[], dict[str, float]]) -> None:
+        """After :meth:`steps`: if the epoch is complete (not cut short by ``trainer.max_steps``),
+        the next one starts; unless training is done then (the finish evaluates and saves), the
+        checkpoint of the epoch's end is saved, with ``evaluate()``'s metrics every
+        ``trainer.eval_every_epochs`` epochs."""
+        if not self.plan.epoch_done():
+            return
+        self.progress.epoch += 1
+        self.sampler.set_epoch(self.progress.epoch)
+        if self.training_done():
+            return
+        due = self.progress.epoch % self.eval_every_epochs == 0
+        self.save(evaluate() if due else None, milestone=self.milestones.get(self.progress.epoch))
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, metrics: dict[str, float] | None = None, milestone: str | None = None) -> None:
+        """Checkpoint everything now (collective: every rank calls it)."""
+        now = time.monotonic()
+        self.progress.train_seconds += now - self._clock
+        self._clock = now
+        sharded_state = None
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_shards, optimizer_shards = get_state_dict(self.model, self.optimizer)
+            sharded_state = {"model": model_shards, "optimizer": optimizer_shards}
+        self.checkpoints.save(self.progress.step, self._capture(), metrics, sharded_state=sharded_state,
+                              milestone=milestone)
+        self.cadence.saved()
+
+    def _capture(self) -> dict[str, Any]:
+        """The checkpoint's ``state.pt``. Collective: each rank's RNG states and partial metric sums
+        are gathered, since only rank 0 writes it."""
+        per_rank = distributed.all_gather_object({"rng": rng_state(), "metrics": self.train_sums.state_dict()})
+        state: dict[str, Any] = {
+            "progress": asdict(self.progress),
+            "rng": [own["rng"] for own in per_rank],
+            "metrics": [own["metrics"] for own in per_rank],
+            "sampler": self.sampler.state_dict(),
+        }
+        if not self.sharded:
+            state["model"] = self.model.state_dict()
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        if self.extra_state:
+            state["extra"] = {name: obj.state_dict() for name, obj in self.extra_state.items()}
+        return state
+
+    # ---- the finish -----------------------------------------------------------------------------
+
+    def finish(self, evaluate: Callable[[], dict[str, float]], **summary: Any) -> dict[str, float]:
+        """Evaluate, save the final checkpoint and write ``summary.json`` (with ``summary``'s
+        entries); a run that was already finished only rewrites its summary. Returns the final
+        metrics."""
+        if self.progress.finished:
+            metrics = self.loaded.metrics
+        else:
+            metrics = evaluate()
+            self.progress.finished = True
+            at_epoch_end = self.sampler.consumed == 0
+            self.save(metrics, milestone=self.milestones.get(self.progress.epoch) if at_epoch_end else None)
+        self.checkpoints.wait()
+        self.logger.close()
+        self.cadence.close()
+        model_digest = self._model_digest()
+        if self.dist_info.is_main:
+            best = self.checkpoints.best()
+            for name, obj in self.extra_state.items():
+                summary[f"{name}_digest"] = state_digest(obj.state_dict())
+            path = write_summary(self.run_dir, recipe=self.recipe, metrics=metrics, progress=self.progress,
+                                 world_size=self.dist_info.world_size, model_digest=model_digest,
+                                 best_checkpoint=best.path.name if best is not None else None,
+                                 best_metric=self.checkpoints.best_metric, **summary)
+            best_metric = self.checkpoints.best_metric
+            headline = f"{best_metric} {metrics[best_metric]:.4f} " if best_metric in metrics else ""
+            self.console(f"done: {headline}after {self.progress.step} steps\n"
+                         + output_lines(path, self.checkpoints.directory, best.path if best is not None else None,
+                                        best_metric, self.logger.log_dir))
+        return metrics
+
+    def _model_digest(self) -> str | None:
+        """The summary's ``model_digest`` (on rank 0; collective for a sharded model)."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return state_digest(full) if self.dist_info.is_main else None
+        return state_digest(self.model.state_dict()) if self.dist_info.is_main else None

@@ -1,0 +1,123 @@
+"""How an epoch's samples become optimizer steps: micro-batches, gradient accumulation, the epoch's tail.
+
+Every recipe walks an epoch the same way. The sampler hands this rank the rest of the epoch (all
+of it, or what a resumed run has left) in micro-batches of ``trainer.batch_size``; ``accumulate``
+micro-batches make one optimizer step, so that the global batch stays
+``trainer.global_batch_size`` on any number of ranks. Where an epoch does not divide evenly, each
+recipe says once, with an :class:`EpochTail`, what happens to its last samples; from that
+follow the steps an epoch has, the steps left after a resume, and when an epoch is done.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from enum import Enum
+from typing import Any
+
+from common.errors import UserError
+from common.optim import accumulation_steps
+from common.sampler import ResumableDistributedSampler
+
+
+class EpochTail(str, Enum):
+    """What an epoch does with the samples that do not fill a last micro-batch or step."""
+
+    keep = "keep"  # every sample: the last micro-batch may be shorter, the last step have fewer micro-batches
+    drop_partial_batch = "drop_partial_batch"  # full micro-batches only (BatchNorm); the last step may have fewer
+    drop_partial_step = "drop_partial_step"  # full optimizer steps only; the rest of the epoch is left out
+
+
+class MicroBatches:
+    """The micro-batches of one optimizer step, taken from the epoch's iterator as they are used
+    (a DataLoader's batches are not held in memory all at once). ``len()`` is how many there are
+    and ``samples`` how many samples they hold on this rank, both known before the first."""
+
+    def __init__(self, source: Iterator[Any], count: int, samples: int) -> None:
+        self._source = source
+        self._count = count
+        self.samples = samples
+        self.taken = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[Any]:
+        while self.taken < self._count:
+            self.taken += 1
+            yield next(self._source)
+
+
+class StepPlan:
+    """The optimizer steps of a run: ``accumulate`` micro-batches of ``micro_batch`` samples per
+    rank make a step; ``per_epoch`` steps make an epoch, ``total`` steps the run."""
+
+    def __init__(self, sampler: ResumableDistributedSampler, micro_batch: int, accumulate: int, world_size: int,
+                 epochs: int, max_steps: int = 0, tail: EpochTail = EpochTail.keep) -> None:
+        self.sampler = sampler
+        self.micro_batch = micro_batch
+        self.accumulate = accumulate
+        self.world_size = world_size
+        self.epochs = epochs
+        self.tail = EpochTail(tail)
+        self.per_epoch = self.steps_in(sampler.samples_per_rank_in_epoch())
+        if self.per_epoch == 0:
+            raise UserError(f"an epoch has {sampler.samples_per_rank_in_epoch()} samples per rank, too few for one "
+                            f"optimizer step of {self.describe()}: lower trainer.batch_size or "
+                            f"trainer.global_batch_size")
+        self.total = self.per_epoch * epochs
+        if max_steps:
+            self.total = min(self.total, max_steps)
+
+    @classmethod
+    def from_config(cls, cfg: Any, sampler: ResumableDistributedSampler, world_size: int,
+                    tail: EpochTail = EpochTail.keep) -> StepPlan:
+        """From a recipe's ``trainer`` node (:class:`common.config.TrainerConfig`)."""
+        accumulate = accumulation_steps(cfg.global_batch_size, cfg.batch_size, world_size)
+        return cls(sampler, cfg.batch_size, accumulate, world_size, cfg.epochs, cfg.max_steps, tail)
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.world_size * self.accumulate
+
+    @property
+    def drop_last(self) -> bool:
+        """``drop_last`` for a DataLoader that makes this plan's micro-batches."""
+        return self.tail != EpochTail.keep
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch} ({self.micro_batch} x {self.world_size} ranks x "
+                f"{self.accumulate} accumulation)")
+
+    def micro_batches_in(self, samples: int) -> int:
+        """The micro-batches ``samples`` samples of one rank make, by the tail rule."""
+        if self.tail == EpochTail.keep:
+            return math.ceil(samples / self.micro_batch)
+        return samples // self.micro_batch
+
+    def steps_in(self, samples: int) -> int:
+        """The optimizer steps ``samples`` samples of one rank make, by the tail rule."""
+        if self.tail == EpochTail.drop_partial_step:
+            return samples // (self.micro_batch * self.accumulate)
+        return math.ceil(self.micro_batches_in(samples) / self.accumulate)
+
+    def steps_left(self) -> int:
+        """Steps left in the sampler's epoch: all of them at its start, none when it is done."""
+        return self.steps_in(len(self.sampler))
+
+    def epoch_done(self) -> bool:
+        return self.steps_left() == 0
+
+    def groups(self, micro_batches: Iterable[Any]) -> Iterator[MicroBatches]:
+        """The steps left in the epoch, each the :class:`MicroBatches` of one step, from
+        ``micro_batches``: the rest of the epoch as index tensors or a DataLoader."""
+        source = iter(micro_batches)
+        samples_left = len(self.sampler)
+        for _ in range(self.steps_left()):
+            count = min(self.accumulate, self.micro_batches_in(samples_left))
+            samples = min(count * self.micro_batch, samples_left)
+            group = MicroBatches(source, count, samples)
+            yield group
+            if group.taken != count:
+                raise RuntimeError(f"a step used {group.taken} of its {count} micro-batches; iterate over all of them")
+            samples_left -= samples
