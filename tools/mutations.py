@@ -29,14 +29,18 @@ CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
 MUTATIONS: list[Mutation] = [
     # ---- found by the audit (issue 15) ----------------------------------------------------------
     Mutation(
-        "extended-run-stays-finished", "recipes/fashion_mnist/train.py",
-        "progress.finished = False  # a finished run restarted with more epochs or steps goes on", "pass",
+        "extended-run-stays-finished", "common/run.py",
+        "self.progress.finished = False  # a finished run restarted with more epochs or steps goes on", "pass",
         ("tests/test_fashion_mnist.py::test_a_finished_run_extended_on_another_number_of_ranks_continues",),
         "a finished run restarted with more epochs reports its old metrics and writes no final checkpoint",
     ),
     Mutation(
-        "timm-augmentation-seeded-by-micro-batch", "recipes/timm_imagenet/train.py",
-        "seed_step(seed, progress.step, dist_info.rank)", "seed_step(seed, index, dist_info.rank)",
+        "timm-augmentation-seeded-by-step-of-this-process", "recipes/timm_imagenet/train.py",
+        "        for group in run.steps(train_loader):  # one optimizer step per group of micro-batches\n"
+        "            # timm's Mixup draws from NumPy's global generator and drop path from torch's: seeded per step.\n"
+        "            with seeded_global_rng(seed, progress.step, dist_info.rank):",
+        "        for steps_here, group in enumerate(run.steps(train_loader)):\n"
+        "            with seeded_global_rng(seed, steps_here, dist_info.rank):",
         (f"tests/test_timm_imagenet.py::{CHAIN}[2-SIGUSR1]",),
         "a run resumed mid-epoch draws other augmentations than the uninterrupted run",
     ),
@@ -54,17 +58,11 @@ MUTATIONS: list[Mutation] = [
         (f"{CHECKPOINT_KILLED}[deleting-True]",),
         "a crash while pruning leaves a checkpoint directory with files missing, some never cleaned up",
     ),
-    Mutation(
-        "stop-branch-deleted-fungitastic", "recipes/fungitastic/train.py",
-        "            if decision.stop:", "            if False:",
-        (f"tests/test_fungitastic.py::{CHAIN}[1-SIGTERM]",),
+    Mutation(  # since issue 17 the stop branch of every recipe is this one, in the run contract
+        "stop-branch-deleted", "common/run.py",
+        "                if decision.stop:", "                if False:",
+        (f"tests/test_fungitastic.py::{CHAIN}[1-SIGTERM]", f"tests/test_dinov2_fsdp.py::{CHAIN}[2-SIGTERM]"),
         "SIGTERM/SIGUSR1 are ignored: the run is killed at the end of the grace period and loses its work",
-    ),
-    Mutation(
-        "stop-branch-deleted-dinov2", "recipes/dinov2_fsdp/train.py",
-        "            if decision.stop:", "            if False:",
-        (f"tests/test_dinov2_fsdp.py::{CHAIN}[2-SIGTERM]",),
-        "SIGTERM/SIGUSR1 are ignored by the FSDP recipe",
     ),
     Mutation(
         "torchrun-exits-1-after-a-stop-signal", "cluster/torchrun.py",
@@ -98,28 +96,29 @@ MUTATIONS: list[Mutation] = [
         "a multi-rank run resumed mid-epoch repeats samples",
     ),
     Mutation(
-        "torch-rng-not-restored", "common/train_state.py",
+        "torch-rng-not-restored", "common/rng.py",
         '    torch.set_rng_state(state["torch"].cpu())', "    torch.get_rng_state()",
-        ("tests/test_train_state.py::test_capture_then_restore_brings_back_every_part_of_the_training_state",
+        ("tests/test_run.py::test_a_resume_brings_back_every_part_of_the_training_state",
          f"tests/test_cifar100_resnet50.py::{CHAIN}[1-SIGUSR1]"),
         "drop path and dropout draw other masks after a resume: the run differs from an uninterrupted one",
     ),
     Mutation(
-        "every-rank-gets-rank-0s-rng", "common/train_state.py",
+        "every-rank-gets-rank-0s-rng", "common/run.py",
         "    set_rng_state(rngs[rank] if same_world else rngs[0])", "    set_rng_state(rngs[0])",
-        ("tests/test_train_state.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
+        ("tests/test_run.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
         "after a multi-rank resume every rank continues rank 0's random streams instead of its own",
     ),
     Mutation(
-        "grad-scaler-not-restored", "common/train_state.py",
-        '        scaler.load_state_dict(state["scaler"])', "        scaler.load_state_dict(scaler.state_dict())",
-        ("tests/test_train_state.py::test_capture_then_restore_brings_back_every_part_of_the_training_state",),
+        "grad-scaler-not-restored", "common/run.py",
+        '            self.scaler.load_state_dict(state["scaler"])', "            pass",
+        ("tests/test_run.py::test_a_resume_brings_back_every_part_of_the_training_state",),
         "an fp16 run resumes with the initial loss scale: skipped steps or overflow after every resume",
     ),
     Mutation(
-        "metric-sums-restored-from-rank-0", "common/train_state.py",
-        "            metrics.load_state_dict(saved_sums[rank])", "            metrics.load_state_dict(saved_sums[0])",
-        ("tests/test_train_state.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
+        "metric-sums-restored-from-rank-0", "common/run.py",
+        "            self.train_sums.load_state_dict(saved_sums[rank])",
+        "            self.train_sums.load_state_dict(saved_sums[0])",
+        ("tests/test_run.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
         "training metrics logged after a multi-rank resume count rank 0's partial sums twice",
     ),
     Mutation(
@@ -161,8 +160,8 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "dinov2-stage-not-restored", "recipes/dinov2_fsdp/train.py",
-        'stage = Stage(loaded.state["progress"]["extra"]["stage"]) if loaded is not None else stage_of_epoch(0)',
-        "stage = stage_of_epoch(0)",
+        'stage = Stage(progress.extra.setdefault("stage", stage_of_epoch(0).value))',
+        'progress.extra.setdefault("stage", stage_of_epoch(0).value)\n    stage = stage_of_epoch(0)',
         (f"tests/test_dinov2_fsdp.py::{CHAIN}[2-SIGTERM]",),
         "a run resumed in the fine-tune stage restarts the stage with a fresh optimizer",
     ),
@@ -205,5 +204,11 @@ MUTATIONS: list[Mutation] = [
         "            except UserError:\n                raise",
         ("tests/test_fashion_mnist.py::test_user_errors_are_one_line_and_exit_2",),
         "a missing data folder ends with a traceback instead of one line",
+    ),
+    Mutation(
+        "tensorboard-logs-nothing", "common/loggers.py",
+        "                self._writer.add_scalar(name, value, step)", "                pass",
+        ("tests/test_loggers.py::test_tensorboard_writes_events",),
+        "TensorBoard shows empty runs (the event file exists: SummaryWriter creates it at once)",
     ),
 ]

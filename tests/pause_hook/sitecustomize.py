@@ -28,7 +28,7 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
 
     import common.checkpoint as checkpoint_module
     from common.checkpoint import CheckpointManager
-    from common.preemption import StopFlag
+    from common.run import StopSignals
 
     PAUSE_AT = int(os.environ["PAUSE_AT_STEP"])
     MARKER = Path(os.environ["PAUSE_MARKER"])
@@ -44,13 +44,13 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
         temporary.write_text(f"{step}\n")
         temporary.rename(MARKER)
 
-    real_handle = StopFlag._handle
+    real_handle = StopSignals._handle
 
-    def handle_and_note(self: StopFlag, signum: int, frame: object) -> None:
+    def handle_and_note(self: StopSignals, signum: int, frame: object) -> None:
         real_handle(self, signum, frame)
         signalled.set()
 
-    StopFlag._handle = handle_and_note
+    StopSignals._handle = handle_and_note
 
     real_save = CheckpointManager.save
 
