@@ -16,7 +16,7 @@ EXPERIMENT ?=
 PYTEST_ARGS ?=
 DEVICE ?= cuda
 
-.PHONY: help setup lint test bench gpu-check compare new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test mutation-check bench gpu-check compare new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path]"
@@ -44,7 +44,7 @@ train-%: $(STAMP) FORCE ## Train a recipe (ARGS="key=value ...", NPROC=n for tor
 ifeq ($(NPROC),1)
 	$(PY) -m recipes.$*.train $(ARGS)
 else
-	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.$*.train $(ARGS)
+	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m recipes.$*.train $(ARGS)
 endif
 
 lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
@@ -52,6 +52,9 @@ lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
 
 test: lint ## Lint, then run the test suite (CPU, offline)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+mutation-check: $(STAMP) ## Break the code on purpose and check the tests notice: [ONLY="ids"] (python -m tools.mutation_check --list)
+	$(PY) -m tools.mutation_check $(if $(ONLY),--only $(ONLY)) $(ARGS)
 
 bench: $(STAMP) ## Measure loop overhead, checkpoint stall and throughput; writes benchmarks/RESULTS.md
 	$(PY) -m benchmarks.run $(ARGS)

@@ -24,8 +24,10 @@
 # Before torchrun starts, each node checks (one clear line and exit 1 on failure): the Python
 # environment imports the recipe, the GPU count and free memory, the config resolves with the
 # overrides, the master port is free (node 0) or reachable over TCP (other nodes), and a
-# small all-reduce across all ranks of all nodes succeeds. SIGTERM or SIGUSR1 to this script
-# reach torchrun, which forwards them to the workers: they checkpoint and exit (code 75).
+# small all-reduce across all ranks of all nodes succeeds. torchrun runs through cluster/torchrun.py:
+# SIGTERM or SIGUSR1 to this script reach it, it forwards them to the workers, they checkpoint,
+# and the script exits with code 75 (TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long the workers get to
+# checkpoint, 120 s by default).
 set -euo pipefail
 
 die() {
@@ -82,9 +84,6 @@ export LOGLEVEL=$LOG_LEVEL
 if [[ $LOG_LEVEL == DEBUG ]]; then
     export TORCH_DISTRIBUTED_DEBUG=DETAIL NCCL_DEBUG=INFO
 fi
-# torchrun forwards these to its workers (SIGUSR1 is SLURM's usual warning signal).
-export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
 CONNECT_TIMEOUT=${CONNECT_TIMEOUT:-300}
 RUN_ID=${RUN_ID:-$recipe}
 
@@ -101,7 +100,7 @@ echo "launch: $recipe, node $node_rank of $nnodes, $NPROC_PER_NODE process(es) (
     --backend "$BACKEND" --connect-timeout "$CONNECT_TIMEOUT" -- "${overrides[@]}" || exit 1
 
 is_host=$((node_rank == 0 ? 1 : 0))
-torchrun=("$PYTHON" -m torch.distributed.run --nnodes "$nnodes" --nproc-per-node "$NPROC_PER_NODE"
+torchrun=("$PYTHON" -m cluster.torchrun --nnodes "$nnodes" --nproc-per-node "$NPROC_PER_NODE"
     --rdzv-backend c10d --rdzv-endpoint "$master_addr:$master_port"
     --rdzv-conf "is_host=$is_host,join_timeout=$CONNECT_TIMEOUT")
 if ! preflight_output=$("${torchrun[@]}" --rdzv-id "$RUN_ID-preflight" -m cluster.preflight allreduce \

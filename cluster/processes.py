@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (from /proc), children first."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -32,7 +32,7 @@ def kill_tree(pid: int) -> set[int]:
     reparented."""
     frozen: set[int] = set()
     while True:
-        tree = {pid, *_descendants(pid)} - frozen
+        tree = {pid, *descendants(pid)} - frozen
         if not tree:
             break
         for member in tree:

@@ -28,7 +28,9 @@ deletes the rest. So a checkpoint is named ``_force`` when its metric beats ever
 (the best is then always kept) or when the recipe marks it as a milestone. With ``keep_last=-1``
 (:data:`KEEP_ALL`, used when the folder is ``CHECKPOINT_ARTIFACT_PATH``) nothing is pruned here;
 otherwise, after each commit, the ``keep_last`` newest steps, the best and the milestones stay and
-older directories are deleted (a directory replaced by a newer one of the same step first).
+older directories are deleted (a directory replaced by a newer one of the same step first). A
+directory is renamed to a ``.tmp-`` name before it is deleted, so a crash while deleting never
+leaves a checkpoint directory with some of its files gone.
 
 Loading verifies the manifest's digests, starting from the symlink's target; a damaged checkpoint
 is reported and the next older valid one is used. Without a symlink (a checkpoint directory
@@ -386,7 +388,7 @@ class CheckpointManager:
         for found_dir in found:
             if target is not None and found_dir.index > target.index and not found_dir.force:
                 self.log(f"removing {found_dir.path}: its save never reached {LATEST}")
-                shutil.rmtree(found_dir.path, ignore_errors=True)
+                self._delete(found_dir.path)
 
     # ------------------------------------------------------------------ saving
 
@@ -586,7 +588,15 @@ class CheckpointManager:
             keep.add(best.path)
         for found_dir in committed:
             if found_dir.path not in keep:
-                shutil.rmtree(found_dir.path, ignore_errors=True)
+                self._delete(found_dir.path)
+
+    def _delete(self, path: Path) -> None:
+        """Rename ``path`` out of the layout, then delete it: a crash in the middle of deleting
+        leaves a ``.tmp-`` directory, which the next manager removes, never a checkpoint
+        directory with some of its files gone."""
+        doomed = self.directory / f"{TMP_PREFIX}deleting-{path.name}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
     # ----------------------------------------------------------------- loading
 

@@ -165,6 +165,26 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return holder[0]
 
 
+def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
+    """Rank ``src``'s buffers (BatchNorm running statistics) on every rank, with one broadcast per dtype.
+
+    DDP broadcasts rank 0's buffers at the start of each forward, but each rank's forward then
+    updates its own copy from its own batch, so after a step they differ (and so do the buffers of
+    an EMA of the model). Rank 0's are the ones checkpointed: an evaluation that used every rank's
+    own would score a mix of models, and would score something else after a resume. Training is
+    unchanged: the next forward starts from rank 0's buffers anyway.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    buffers = list(module.buffers())
+    for dtype in sorted({buffer.dtype for buffer in buffers}, key=str):
+        group = [buffer for buffer in buffers if buffer.dtype == dtype]
+        flat = torch.cat([buffer.detach().reshape(-1) for buffer in group])
+        dist.broadcast(flat, src)
+        for buffer, value in zip(group, flat.split([buffer.numel() for buffer in group])):
+            buffer.copy_(value.view_as(buffer))
+
+
 def all_gather_object(obj: object) -> list:
     if not dist.is_initialized():
         return [obj]

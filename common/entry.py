@@ -7,6 +7,9 @@
   one line on stderr and exit code 2, before any work; so does a :class:`~common.errors.UserError`
   raised by the recipe. Hydra is told to raise its errors (``HYDRA_FULL_ERROR=1``, its documented
   switch) instead of printing them with a stack trace, so the line is made here;
+* SIGTERM/SIGUSR1 end with exit code 75 once the recipe has written its checkpoint; under
+  ``cluster/torchrun.py`` each worker also records its exit code for the launcher (torchrun
+  itself turns any worker's non-zero exit into its own exit code 1);
 * Hydra's own flags work as usual (``--help``, ``-m`` sweeps with a launcher); ``--cfg job``
   prints the config resolved, as the run will see it;
 * the run directory is the deterministic ``run_dir`` (in a sweep: the sweep directory plus the
@@ -39,10 +42,20 @@ from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, Preempted, UserError
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 CONFIG_ERRORS = (HydraException, OmegaConfBaseException, ValueError)  # ValueError: a value no schema type takes
+EXIT_CODE_DIR = "RECIPES_EXIT_CODE_DIR"
+"""Set by ``cluster/torchrun.py``: the folder where each worker records why it stopped (a file per rank)."""
+
+
+def record_exit_code(code: int) -> None:
+    """Leave ``code`` where the launcher looks for it (see :data:`EXIT_CODE_DIR`), if it does."""
+    folder = os.environ.get(EXIT_CODE_DIR)
+    if folder and os.path.isdir(folder):
+        Path(folder, f"rank{os.environ.get('RANK', '0')}").write_text(str(code))
 
 
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
+    record_exit_code(EXIT_USER_ERROR)
     sys.exit(EXIT_USER_ERROR)
 
 
@@ -152,6 +165,7 @@ def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[DictConfig], Any
                 fail(user_message(error))
             except Preempted as stop:
                 print(f"{stop}; exiting with code {EXIT_PREEMPTED} (run again to resume)", flush=True)
+                record_exit_code(EXIT_PREEMPTED)
                 sys.exit(EXIT_PREEMPTED)
             except CONFIG_ERRORS as error:  # a bug in the recipe, not a bad override: keep its traceback
                 error.raised_by_recipe = True

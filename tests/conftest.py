@@ -18,6 +18,7 @@ from tests import slurm_cluster as sc
 from tools.tiny_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
+pytest.register_assert_rewrite("tests.resume")  # the shared resume check's asserts say what failed
 
 
 def recipe_env(**extra: str) -> dict[str, str]:
@@ -34,7 +35,7 @@ def recipe_command(recipe: str, overrides: list[str], nproc: int = 1) -> list[st
         return [sys.executable, "-m", f"recipes.{recipe}.train", *overrides]
     if not any(override.startswith("device=") for override in overrides):
         overrides = ["device=cpu", *overrides]  # several ranks on gloo, whatever GPUs this machine has
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", "cluster.torchrun", "--standalone", f"--nproc-per-node={nproc}",
             "-m", f"recipes.{recipe}.train", *overrides]
 
 

@@ -129,12 +129,15 @@ def test_an_absolute_symlink_to_a_path_that_is_gone_resolves_by_name(tmp_path: P
     manager = CheckpointManager(written, keep_last=KEEP_ALL)
     for step in (5, 10):
         manager.save(step, state_for(step))
+    # A save that never reached the symlink (complete on disk: only the symlink says it is not committed).
+    shutil.copytree(our_files(tmp_path, 99), written / f"{NAME}_checkpoint_2")
     restored = tmp_path / "laptop" / "checkpoints"
     restored.parent.mkdir()
     shutil.move(written, restored)
     assert os.path.isabs(os.readlink(restored / SYMLINK)) and not (restored / SYMLINK).exists()
 
     manager = CheckpointManager(restored)
+    assert not (restored / f"{NAME}_checkpoint_2").exists(), "the uncommitted save was taken for committed"
     loaded = manager.load_latest()
     assert loaded is not None and loaded.step == 10 and loaded.path == restored / f"{NAME}_checkpoint_1"
     manager.save(11, state_for(11))

@@ -5,13 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ from common.checkpoint import (
     checkpoint_dirs,
     committed_checkpoints,
     latest_checkpoint,
+    latest_name,
 )
 from common.errors import UserError
 from tests.conftest import REPO
@@ -194,31 +192,84 @@ def test_a_folder_of_the_older_layout_is_refused_not_restarted(tmp_path: Path) -
 
 
 # Every step is saved twice, as the recipes save an epoch's last step and then again with its
-# evaluation: the second save must never put the first at risk.
-SAVER = textwrap.dedent("""
-    import sys, torch
+# evaluation. The fifth save (step 3, first version) stops for good at one point of its sequence:
+# the test SIGKILLs the process there. keep_last=1, so that save also deletes step 2's directories.
+CRASHING_SAVER = textwrap.dedent("""
+    import os, shutil, sys, threading, torch
+    import common.checkpoint as checkpoint_module
     from common.checkpoint import CheckpointManager
-    manager = CheckpointManager(sys.argv[1], keep_last=2)
-    step = 0
-    while True:
-        step += 1
+
+    folder, phase = sys.argv[1], sys.argv[2]
+    saves = 0
+
+    def stop_here():
+        os.write(1, b"STOPPED\\n")
+        threading.Event().wait()
+
+    def after(real, name, condition=lambda *args: True):
+        def wrapper(*args, **kwargs):
+            result = real(*args, **kwargs)
+            if saves == 5 and phase == name and condition(*args):
+                stop_here()
+            return result
+        return wrapper
+
+    os.rename = after(os.rename, "renamed", lambda source, target: "checkpoint_" in os.path.basename(source)
+                      and not os.path.basename(source).startswith(".tmp-deleting"))
+    os.symlink = after(os.symlink, "linked")
+    os.replace = after(os.replace, "committed")
+    real_chunk = checkpoint_module._HashingWriter.write
+    def write_chunk(self, data):
+        written = real_chunk(self, data)
+        if saves == 5 and phase == "writing":
+            self.flush()
+            stop_here()
+        return written
+    checkpoint_module._HashingWriter.write = write_chunk
+    real_rmtree = shutil.rmtree
+    def rmtree_one_file_then_stop(path, *args, **kwargs):
+        if saves == 5 and phase == "deleting" and os.path.exists(os.path.join(path, "state.pt")):
+            os.remove(os.path.join(path, "state.pt"))
+            stop_here()
+        return real_rmtree(path, *args, **kwargs)
+    checkpoint_module.shutil.rmtree = rmtree_one_file_then_stop
+
+    manager = CheckpointManager(folder, keep_last=1)
+    for step in range(1, 10):
         for version in (0, 1):
-            manager.save(step, {"weights": torch.full((2_000_000,), float(step)), "step": step, "version": version})
-        print(step, flush=True)
+            saves += 1
+            manager.save(step, {"weights": torch.full((1000,), float(step)), "step": step, "version": version})
 """)
 
 
-def test_a_save_killed_midway_never_loads_with_wrong_content(tmp_path: Path) -> None:
-    rng = random.Random(0)
-    for trial in range(6):
-        process = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], cwd=REPO,
-                                   stdout=subprocess.PIPE, text=True)
-        assert process.stdout is not None
-        process.stdout.readline()  # at least one checkpoint is complete
-        time.sleep(rng.uniform(0.0, 0.4))
-        process.send_signal(signal.SIGKILL)
+@pytest.mark.parametrize(("phase", "committed"), [("writing", False), ("renamed", False), ("linked", False),
+                                                  ("committed", True), ("deleting", True)])
+def test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done(tmp_path: Path, phase: str,
+                                                                                   committed: bool) -> None:
+    """The symlink never names a missing or incomplete directory, nothing older goes before the
+    newer checkpoint is committed, and what a kill leaves half done is gone once a manager opens
+    the folder: no temporary directory, no checkpoint directory missing a file."""
+    process = subprocess.Popen([sys.executable, "-c", CRASHING_SAVER, str(tmp_path), phase], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line = process.stdout.readline()  # the child writes nothing else, and blocks after this line
+        assert line == "STOPPED\n", f"the child ended first (code {process.poll()}): {process.stderr.read()[-2000:]}"
+    finally:
+        process.kill()
         process.wait()
-        loaded = CheckpointManager(tmp_path, keep_last=2).load_latest()
-        assert loaded is not None, f"trial {trial}: no loadable checkpoint"
-        assert loaded.state["step"] == loaded.step
-        assert torch.equal(loaded.state["weights"], torch.full((2_000_000,), float(loaded.step)))
+
+    expected_step = 3 if committed else 2
+    target = tmp_path / latest_name(tmp_path)
+    assert target.is_dir(), f"the symlink names {target.name}, which is not there"
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    assert manager.verify(target)["step"] == expected_step
+    loaded = manager.load_latest()
+    assert loaded is not None and loaded.path == target and loaded.step == expected_step
+    assert loaded.state["version"] == (0 if committed else 1)
+    assert torch.equal(loaded.state["weights"], torch.full((1000,), float(expected_step)))
+    assert not list(tmp_path.glob(".tmp-*")), names(tmp_path)
+    for found in checkpoint_dirs(tmp_path):
+        manager.verify(found.path)  # raises for a directory with a file missing
+    manager.save(4, state_for(4))
+    assert manager.load_latest().step == 4

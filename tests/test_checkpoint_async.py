@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -142,13 +143,31 @@ def test_save_returns_before_the_write_and_writes_the_state_as_it_was(tmp_path: 
 def test_one_save_in_flight_the_next_waits_for_it(tmp_path: Path, held_writer: threading.Event) -> None:
     manager = CheckpointManager(tmp_path, async_save=True, keep_last=5)
     manager.save(1, {"weights": torch.ones(10)})
-    second = threading.Thread(target=manager.save, args=(2, {"weights": torch.full((10,), 2.0)}))
+    waiting, returned = threading.Event(), threading.Event()
+    real_wait = manager.wait
+
+    def note_waiting() -> None:
+        if threading.current_thread().name == "second save":
+            waiting.set()
+        real_wait()
+
+    manager.wait = note_waiting
+
+    def second_save() -> None:
+        manager.save(2, {"weights": torch.full((10,), 2.0)})
+        returned.set()
+
+    second = threading.Thread(target=second_save, name="second save")
     second.start()
-    second.join(timeout=0.5)
-    assert second.is_alive(), "a second save started while the first was still being written"
+    deadline = time.monotonic() + 60
+    while not (waiting.is_set() or returned.is_set()):  # the held first write cannot finish meanwhile
+        assert time.monotonic() < deadline, "the second save neither waited nor returned within 60 s"
+        time.sleep(0.01)
+    assert not returned.is_set(), "a second save went ahead while the first was still being written"
     assert not checkpoint_dirs(tmp_path)
     held_writer.set()
     second.join(timeout=60)
+    assert returned.is_set()
     manager.wait()
     assert [found.path.name for found in checkpoint_dirs(tmp_path)] == ["AtomicDirectory_checkpoint_0",
                                                                        "AtomicDirectory_checkpoint_1"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import random
+import signal
 import subprocess
 import sys
 import tarfile
@@ -26,17 +27,8 @@ from data_prep.files import file_digest
 from recipes.cifar100_resnet50.config import DataConfig, ModelConfig
 from recipes.cifar100_resnet50.data import MEAN, STD, TrainAugmentation, load_split, random_erase, rotate
 from recipes.cifar100_resnet50.model import build_model
-from tests.conftest import (
-    REPO,
-    assert_ok,
-    kill_run,
-    latest_step,
-    read_summary,
-    recipe_env,
-    run_recipe,
-    start_recipe,
-    wait_for_step,
-)
+from tests.conftest import REPO, assert_ok, latest_step, read_summary, recipe_env, run_recipe
+from tests.resume import CHAIN_SETTINGS, kill_signal_resume
 from tools.tiny_data import write_cifar100_tarball
 
 RECIPE = "cifar100_resnet50"
@@ -62,13 +54,12 @@ ALL_AUGMENTATIONS = [
     "ema.decay=0.9",
     "model.drop_path_rate=0.1",
     "trainer.epochs=3",
-    "checkpoint.every_steps=1",
     "seed=3",
 ]
 
 
-def overrides(data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [f"data.root={data}", f"run_dir={run_dir}", *TINY, *extra]
+def overrides(data: Path, run_dir: Path | None, *extra: str) -> list[str]:
+    return [f"data.root={data}", *([f"run_dir={run_dir}"] if run_dir else []), *TINY, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +80,7 @@ def cifar_root(tarball: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference_run(cifar_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run with every augmentation on: 3 epochs of 6 steps."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    assert_ok(run_recipe(RECIPE, overrides(cifar_root, run_dir, *ALL_AUGMENTATIONS)))
+    assert_ok(run_recipe(RECIPE, overrides(cifar_root, run_dir, *ALL_AUGMENTATIONS, *CHAIN_SETTINGS)))
     return run_dir
 
 
@@ -245,40 +236,18 @@ def test_end_to_end_writes_summary_and_checkpoints(reference_run: Path) -> None:
     assert latest_step(reference_run / "checkpoints") == summary["steps"]
 
 
-def sigkill_then_resume(data: Path, run_dir: Path, settings: list[str], nproc: int, kill_after: int) -> dict:
-    process = start_recipe(RECIPE, overrides(data, run_dir, *settings), nproc=nproc)
-    try:
-        wait_for_step(run_dir / "checkpoints", kill_after, process)
-    finally:
-        kill_run(process)
-    assert not (run_dir / "summary.json").exists(), "the run finished before it was killed"
-    resumed = run_recipe(RECIPE, overrides(data, run_dir, *settings), nproc=nproc)
-    assert_ok(resumed)
-    assert "resumed from" in resumed.stdout
-    return read_summary(run_dir)
-
-
-def test_sigkill_at_a_random_step_then_resume_is_bit_exact(cifar_root: Path, reference_run: Path,
-                                                           tmp_path: Path) -> None:
-    kill_after = random.Random(0).randint(2, 8)
-    summary = sigkill_then_resume(cifar_root, tmp_path / "run", ALL_AUGMENTATIONS, 1, kill_after)
-    reference = read_summary(reference_run)
-    assert summary["resumes"] == 1
-    assert summary["steps"] == reference["steps"]
-    assert summary["model_digest"] == reference["model_digest"]
-    assert summary["metrics"] == reference["metrics"]
-
-
-def test_two_gloo_ranks_with_accumulation_resume_bit_exact(cifar_root: Path, tmp_path: Path) -> None:
-    # 24 samples per rank = 3 micro-batches of 8, so each epoch ends with a 1-micro-batch step.
-    settings = ["trainer.global_batch_size=32", "trainer.epochs=4", "checkpoint.every_steps=1",
-                "mixup.mixup_alpha=0.2", "data.random_erasing=0.5"]
-    assert_ok(run_recipe(RECIPE, overrides(cifar_root, tmp_path / "reference", *settings), nproc=2))
-    reference = read_summary(tmp_path / "reference")
-    assert reference["world_size"] == 2
-    assert reference["steps"] == 4 * 2
-    summary = sigkill_then_resume(cifar_root, tmp_path / "interrupted", settings, 2, kill_after=4)
-    assert summary["model_digest"] == reference["model_digest"]
+@pytest.mark.parametrize(("nproc", "stop_signal"), [pytest.param(1, signal.SIGUSR1, id="1-SIGUSR1"),
+                                                    pytest.param(2, signal.SIGTERM, id="2-SIGTERM")])
+def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(cifar_root: Path, reference_run: Path,
+                                                                       tmp_path: Path, nproc: int,
+                                                                       stop_signal: signal.Signals) -> None:
+    if nproc == 1:  # every augmentation, EMA included (its weights are in the metrics compared)
+        kill_signal_resume(RECIPE, overrides(cifar_root, None, *ALL_AUGMENTATIONS), tmp_path, 1, stop_signal,
+                           reference=reference_run)
+    else:  # 24 samples per rank = 3 micro-batches of 8: each epoch ends with a 1-micro-batch step
+        settings = ["trainer.global_batch_size=32", "trainer.epochs=4", "mixup.mixup_alpha=0.2",
+                    "data.random_erasing=0.5", "ema.enabled=true", "ema.decay=0.9"]
+        kill_signal_resume(RECIPE, overrides(cifar_root, None, *settings), tmp_path, 2, stop_signal)
 
 
 # ---- errors ----------------------------------------------------------------------------------------

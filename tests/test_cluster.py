@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests import slurm_cluster as sc
-from tests.conftest import REPO, free_port, latest_step, read_summary, recipe_env
+from tests.conftest import REPO, free_port, latest_step, read_summary, recipe_env, run_recipe, start_recipe
+from tests.resume import CHAIN_SETTINGS, paused_env, wait_for_pause
 from tools.tiny_data import write_fashion_mnist
 
 TINY = ["trainer.deterministic=true", "model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=32",
@@ -45,19 +47,23 @@ def slurm_runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFacto
     jobs = {}
     for name in ("alone", "preempted"):
         run_dir = tmp / name
-        # The job left alone also stages its data to "node-local" disk first.
-        staging = {"STAGE_DATA": "1", "STAGE_DIR": str(tmp / "node-local")} if name == "alone" else {}
+        # The job left alone also stages its data to "node-local" disk first; the other pauses after
+        # its checkpoint of step 2 until the signal reaches it, however fast or slow this machine is.
+        if name == "alone":
+            env = clean_env(**slurm_env, STAGE_DATA="1", STAGE_DIR=str(tmp / "node-local"))
+        else:
+            env = {**paused_env(2, tmp / "paused"), **slurm_env, "PYTHON": sys.executable}
         job = sc.sbatch(REPO / "cluster" / "slurm" / "fashion_mnist.sbatch",
-                        args=[*options, f"--output={tmp}/{name}-%j.out"], env=clean_env(**slurm_env, **staging),
+                        args=[*options, f"--output={tmp}/{name}-%j.out"], env=env,
                         cwd=REPO, script_args=[*overrides, f"run_dir={run_dir}"])
         jobs[name] = {"job": job, "run_dir": run_dir, "log": tmp / f"{name}-{job}.out", "tmp": tmp}
 
     preempted = jobs["preempted"]
     env = clean_env(**slurm_env)
-    deadline = time.monotonic() + 240
-    while latest_step(preempted["run_dir"] / "checkpoints") < 2:
+    deadline = time.monotonic() + 300
+    while not (tmp / "paused").exists():
         assert sc.job_state(preempted["job"], env) in ("PENDING", "RUNNING"), preempted["log"].read_text()
-        assert time.monotonic() < deadline, "no checkpoint at step 2 within 240 s"
+        assert time.monotonic() < deadline, "no checkpoint at step 2 within 300 s"
         time.sleep(0.2)
     preempted["signalled_at_step"] = latest_step(preempted["run_dir"] / "checkpoints")
     sc.signal_batch(preempted["job"], "USR1", env=env)
@@ -92,10 +98,11 @@ def test_preempted_sbatch_requeues_resumes_and_matches_uninterrupted_digest(slur
     first, stop = output.index("start (restart 0)"), output.index("requeueing")
     second, resumed = output.index("start (restart 1)"), output.index("resumed from")
     assert first < stop < second < resumed < output.index("training finished"), output
-    assert "received SIGUSR1: checkpoint saved" in output
+    assert preempted["signalled_at_step"] == 2
+    assert "received SIGUSR1: checkpoint saved at step 3" in output
+    assert "training stopped (exit 75) after its checkpoint; requeueing" in output
     result = read_summary(preempted["run_dir"])
     assert result["resumes"] == 1 and result["steps"] == 32
-    assert preempted["signalled_at_step"] < 32
     assert result["model_digest"] == read_summary(alone["run_dir"])["model_digest"]
 
 
@@ -119,18 +126,20 @@ def test_submitit_sweep_requeues_a_signalled_job_which_resumes_to_the_same_diges
         f"hydra.sweep.dir={sweep_dir}", f"data.root={data}", "trainer.epochs=4", "checkpoint.every_steps=1",
         *TINY, "trainer.log_every_steps=1,4",
     ]
-    sweep = subprocess.Popen(command, cwd=REPO, env=clean_env(**slurm_env), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    # The first sweep job waits after its step-2 checkpoint until a stop signal reaches it (the
+    # requeue's SIGTERM), so it cannot finish before the USR2 however fast this machine is.
+    env = {**paused_env(2, tmp_path / "paused", PAUSE_ONLY_IN="trainer.log_every_steps=1"), **slurm_env,
+           "PYTHON": sys.executable}
+    sweep = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 240
-        signalled = None
-        while signalled is None:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "paused").exists():
             assert sweep.poll() is None, sweep.communicate()[0]
-            assert time.monotonic() < deadline, "the first sweep job wrote no checkpoint at step 2 within 240 s"
-            for latest in sweep_dir.rglob("checkpoints/AtomicDirectory.latest_checkpoint"):
-                if "trainer.log_every_steps=1" in str(latest) and latest_step(latest.parent) >= 2:
-                    signalled = latest.parents[1], latest_step(latest.parent)
+            assert time.monotonic() < deadline, "the first sweep job wrote no checkpoint at step 2 within 300 s"
             time.sleep(0.2)
+        (latest,) = [path for path in sweep_dir.rglob("checkpoints/AtomicDirectory.latest_checkpoint")
+                     if "trainer.log_every_steps=1" in str(path)]
+        signalled = latest.parents[1], latest_step(latest.parent)
         first_job = next(sweep_dir.glob(".submitit/*_0")).name  # array task 0: the first sweep point
         subprocess.run(["scancel", "--signal=USR2", first_job], env=clean_env(**slurm_env), check=True)
         output = sweep.communicate(timeout=420)[0]
@@ -149,7 +158,7 @@ def test_submitit_sweep_requeues_a_signalled_job_which_resumes_to_the_same_diges
     assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log and "DUE TO JOB REQUEUE" in log, log
     assert sc.job_restart_count(first_job, env=slurm_env) == 1
     resumed, alone = read_summary(signalled_dir), read_summary(other_dir)
-    assert signalled_at_step < 32 and resumed["steps"] == alone["steps"] == 32
+    assert signalled_at_step == 2 and resumed["steps"] == alone["steps"] == 32
     assert resumed["resumes"] == 1 and alone["resumes"] == 0
     assert resumed["model_digest"] == alone["model_digest"]
 
@@ -206,6 +215,75 @@ def test_launch_rejects_a_bad_override_before_torchrun(tmp_path: Path):
     assert "no_such_key" in output and "torch.distributed" not in output
 
 
+# ---- cluster/torchrun.py: torchrun with a single process's exit codes ---------------------------
+
+def workers_of(launcher: subprocess.Popen) -> dict[int, int]:
+    """rank -> pid of the workers the launcher started (its children that torchrun gave a RANK)."""
+    workers = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != launcher.pid:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        rank = next((item[5:] for item in environ if item.startswith(b"RANK=")), None)
+        if rank is not None:
+            workers[int(rank)] = int(stat.parent.name)
+    return workers
+
+
+def test_make_train_with_nproc_reports_a_bad_override_in_one_line_before_starting_workers(tmp_path: Path):
+    """What `make train-<r> NPROC=2 ARGS=trainer.nonsense=1` printed before: every rank's error and
+    torchrun's traceback, 43 lines, exit 1. (cifar100_resnet50: its target has no data-prep step.)"""
+    result = subprocess.run(["make", "-s", "-o", ".venv/.installed", "train-cifar100_resnet50", "NPROC=2",
+                             f"PY={sys.executable}", f"ARGS=trainer.nonsense=1 run_dir={tmp_path / 'run'}"],
+                            cwd=REPO, env=recipe_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    ours = [line for line in result.stderr.splitlines() if not line.startswith("make: ***")]
+    assert ours == ["error: Could not override 'trainer.nonsense': Key 'nonsense' not in 'TrainerConfig'"], \
+        result.stderr
+    assert "Traceback" not in result.stdout + result.stderr and not (tmp_path / "run").exists()
+
+
+def test_torchrun_exits_2_without_a_traceback_when_every_worker_reports_a_user_error(tmp_path: Path):
+    result = run_recipe("fashion_mnist", ["data.root=/does/not/exist", f"run_dir={tmp_path}/run", *TINY], nproc=2)
+    assert result.returncode == 2, result.stderr
+    assert "error: data directory /does/not/exist does not exist" in result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_torchrun_exits_75_when_the_workers_themselves_get_sigterm(fashion_data: Path, tmp_path: Path):
+    """As when SLURM or a process-group kill signals the workers and not the launcher: torchrun
+    sees its workers exit non-zero, which it reports as a failure (exit 1)."""
+    marker = tmp_path / "paused"
+    launcher = start_recipe("fashion_mnist", [f"data.root={fashion_data}", f"run_dir={tmp_path}/run", *TINY,
+                                              *CHAIN_SETTINGS, "trainer.epochs=2"],
+                            nproc=2, env=paused_env(2, marker))
+    wait_for_pause(marker, launcher)
+    workers = workers_of(launcher)
+    assert sorted(workers) == [0, 1]
+    for pid in workers.values():
+        os.kill(pid, signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 75, output
+    assert output.count("received SIGTERM: checkpoint saved at step 3") == 2, output
+    assert "torchrun: all 2 worker(s) checkpointed and stopped; exiting with code 75" in output
+
+
+def test_torchrun_does_not_report_75_when_a_worker_died_without_its_checkpoint(fashion_data: Path, tmp_path: Path):
+    marker = tmp_path / "paused"
+    launcher = start_recipe("fashion_mnist", [f"data.root={fashion_data}", f"run_dir={tmp_path}/run", *TINY,
+                                              *CHAIN_SETTINGS, "trainer.epochs=2"],
+                            nproc=2, env=paused_env(2, marker))
+    wait_for_pause(marker, launcher)
+    os.kill(workers_of(launcher)[1], signal.SIGKILL)
+    launcher.send_signal(signal.SIGTERM)  # rank 0 is then told to stop, but rank 1 is gone
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 1, output
+    assert "checkpointed and stopped" not in output
+
+
 # ---- the scripts and the submitit launcher config -------------------------------------------
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
@@ -226,7 +304,7 @@ def test_every_recipe_has_an_sbatch_file_that_runs_it():
     assert "fashion_mnist" in recipes
     for recipe in recipes:
         text = (REPO / "cluster" / "slurm" / f"{recipe}.sbatch").read_text()
-        assert f"-m recipes.{recipe}.train" in text
+        assert f"-m recipes.{recipe}.train" in text and "-m cluster.torchrun" in text, recipe
         for option in ("--requeue", "--signal=B:USR1@", "--open-mode=append", "--gpus-per-node="):
             assert f"#SBATCH {option}" in text, (recipe, option)
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import random
 import signal
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import assert_ok, kill_run, latest_step, read_summary, run_recipe, start_recipe, wait_for_step
+from common.checkpoint import latest_checkpoint
+from tests.conftest import assert_ok, read_summary, run_recipe
+from tests.resume import kill_signal_resume
 
 RECIPE = "fashion_mnist"
 TINY = [
@@ -22,8 +24,8 @@ TINY = [
 ]
 
 
-def overrides(data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [f"data.root={data}", f"run_dir={run_dir}", *TINY, *extra]
+def overrides(data: Path, run_dir: Path | None, *extra: str) -> list[str]:
+    return [f"data.root={data}", *([f"run_dir={run_dir}"] if run_dir else []), *TINY, *extra]
 
 
 def test_end_to_end_writes_summary_checkpoints_and_tensorboard(fashion_data: Path, tmp_path: Path) -> None:
@@ -63,52 +65,18 @@ def test_same_seed_same_digest_and_another_seed_differs(fashion_data: Path, tmp_
     assert digests[0] != digests[2]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigkill_at_a_random_step_then_resume_is_bit_exact(fashion_data: Path, tmp_path: Path, nproc: int) -> None:
-    settings = ["trainer.epochs=4", "checkpoint.every_steps=1", "data.random_crop_padding=2",
-                "data.horizontal_flip=true", "seed=5"]
-    reference = tmp_path / "reference"
-    assert_ok(run_recipe(RECIPE, overrides(fashion_data, reference, *settings), nproc=nproc))
-
-    interrupted = tmp_path / "interrupted"
-    steps_total = read_summary(reference)["steps"]
-    kill_after = random.Random(nproc).randint(3, steps_total // 2)
-    process = start_recipe(RECIPE, overrides(fashion_data, interrupted, *settings), nproc=nproc)
-    wait_for_step(interrupted / "checkpoints", kill_after, process)
-    kill_run(process)  # every rank and torchrun at once, no clean-up
-    assert not (interrupted / "summary.json").exists(), "the run finished before it could be killed"
-    killed_at = latest_step(interrupted / "checkpoints")
-    assert 0 < killed_at < steps_total
-
-    result = run_recipe(RECIPE, overrides(fashion_data, interrupted, *settings), nproc=nproc)
-    assert_ok(result)
-    assert "resumed from" in result.stdout
-    resumed, uninterrupted = read_summary(interrupted), read_summary(reference)
-    assert resumed["resumes"] == 1
-    assert resumed["steps"] == uninterrupted["steps"]
-    assert resumed["model_digest"] == uninterrupted["model_digest"]
-
-
-def test_sigterm_checkpoints_exits_75_and_the_rerun_continues(fashion_data: Path, tmp_path: Path) -> None:
-    settings = ["trainer.epochs=6", "checkpoint.every_steps=4"]
-    reference = tmp_path / "reference"
-    assert_ok(run_recipe(RECIPE, overrides(fashion_data, reference, *settings)))
-
-    run_dir = tmp_path / "run"
-    process = start_recipe(RECIPE, overrides(fashion_data, run_dir, *settings))
-    wait_for_step(run_dir / "checkpoints", 8, process)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 75, output
-    assert "received SIGTERM: checkpoint saved at step" in output
-    stopped_at = latest_step(run_dir / "checkpoints")
-    assert f"step {stopped_at}" in output
-    assert not (run_dir / "summary.json").exists()
-
-    result = run_recipe(RECIPE, overrides(fashion_data, run_dir, *settings))
-    assert_ok(result)
-    assert f"(step {stopped_at}," in result.stdout
-    assert read_summary(run_dir)["model_digest"] == read_summary(reference)["model_digest"]
+@pytest.mark.parametrize(("nproc", "stop_signal", "kill"), [
+    pytest.param(1, signal.SIGTERM, "mid-epoch", id="1-SIGTERM"),
+    pytest.param(2, signal.SIGUSR1, "mid-epoch", id="2-SIGUSR1"),
+    pytest.param(1, signal.SIGUSR1, "after-evaluation", id="1-SIGUSR1-killed-at-an-epoch-end"),
+])
+def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(fashion_data: Path, tmp_path: Path, nproc: int,
+                                                                       stop_signal: signal.Signals, kill: str) -> None:
+    """The third case kills right after an epoch's last checkpoint (the one with its evaluation),
+    so the run resumes at the start of the next epoch."""
+    settings = ["trainer.epochs=4", "data.random_crop_padding=2", "data.horizontal_flip=true", "seed=5",
+                "trainer.batch_size=32"]
+    kill_signal_resume(RECIPE, overrides(fashion_data, None, *settings), tmp_path, nproc, stop_signal, kill=kill)
 
 
 def test_gradient_accumulation_keeps_the_effective_batch_on_fewer_ranks(fashion_data: Path, tmp_path: Path) -> None:
@@ -125,14 +93,22 @@ def test_gradient_accumulation_keeps_the_effective_batch_on_fewer_ranks(fashion_
 
 
 def test_a_finished_run_extended_on_another_number_of_ranks_continues(fashion_data: Path, tmp_path: Path) -> None:
+    """A run that finished after 3 steps on 2 ranks, started again on 1 rank with room for more,
+    trains on, evaluates the new weights and writes their final checkpoint."""
     run_dir = tmp_path / "run"
     settings = ["trainer.epochs=2", "checkpoint.every_steps=1", "trainer.global_batch_size=32"]
     assert_ok(run_recipe(RECIPE, overrides(fashion_data, run_dir, *settings, "trainer.max_steps=3"), nproc=2))
+    first = read_summary(run_dir)
+    assert first["steps"] == 3 and first["world_size"] == 2
     result = run_recipe(RECIPE, overrides(fashion_data, run_dir, *settings))
     assert_ok(result)
     summary = read_summary(run_dir)
     assert summary["world_size"] == 1 and summary["resumes"] == 1
     assert summary["steps"] == 2 * 256 // 32
+    assert summary["metrics"] != first["metrics"] and summary["model_digest"] != first["model_digest"]
+    final = latest_checkpoint(run_dir / "checkpoints")
+    assert final.step == summary["steps"] and final.metrics == summary["metrics"]
+    assert torch.load(final.path / "state.pt", weights_only=True)["progress"]["finished"]
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,9 @@ data prep, metrics against scikit-learn, pretrained loading, end to end, SIGKILL
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from omegaconf import OmegaConf
 from sklearn.metrics import f1_score
 from sklearn.utils.class_weight import compute_class_weight
 
@@ -26,17 +27,8 @@ from recipes.fungitastic.config import DataConfig, ModelConfig
 from recipes.fungitastic.data import load_split
 from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
 from recipes.fungitastic.model import build_model, load_pretrained
-from tests.conftest import (
-    REPO,
-    assert_ok,
-    kill_run,
-    latest_step,
-    read_summary,
-    recipe_env,
-    run_recipe,
-    start_recipe,
-    wait_for_step,
-)
+from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe
+from tests.resume import CHAIN_SETTINGS, kill_signal_resume
 from tools.tiny_data import FUNGI_TAXA, write_fungitastic
 
 RECIPE = "fungitastic"
@@ -66,8 +58,8 @@ def prep(source: Path, out: Path, *args: str, mini: bool = False,
                            *args, *weights], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
-def overrides(data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [f"data.root={data}", f"run_dir={run_dir}", *TINY, *extra]
+def overrides(data: Path, run_dir: Path | None, *extra: str) -> list[str]:
+    return [f"data.root={data}", *([f"run_dir={run_dir}"] if run_dir else []), *TINY, *extra]
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +76,12 @@ def reference_run(fungi_data: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     """An uninterrupted 3-epoch run (no DataLoader workers), shared by the end-to-end and resume tests."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    result = run_recipe(RECIPE, overrides(fungi_data, run_dir, *RESUME_SETTINGS))
+    result = run_recipe(RECIPE, overrides(fungi_data, run_dir, *RESUME_SETTINGS, *CHAIN_SETTINGS))
     assert_ok(result)
     return run_dir, result
 
 
-RESUME_SETTINGS = ["trainer.epochs=3", "checkpoint.every_steps=1", "model.derive_from_species=true",
+RESUME_SETTINGS = ["trainer.epochs=3", "model.derive_from_species=true",
                    "loss.rank_weights.phylum=0.5", "seed=3"]
 
 
@@ -299,12 +291,17 @@ def test_end_to_end_reports_every_rank_on_val_and_test(reference_run: tuple[Path
     metrics = summary["metrics"]
     for split in ("val", "test"):
         assert metrics[f"{split}/samples"] == 8, "the unknown-species row is left out"
-        for rank in RANKS:
-            for name in ("top1", "top3", "f1"):
-                assert 0 <= metrics[f"{split}/{rank}/{name}"] <= 1
+        for rank in RANKS:  # a count of hits over the 8 samples; top-3 holds every top-1 hit
+            assert round(metrics[f"{split}/{rank}/top1"] * 8, 9).is_integer()
+            assert metrics[f"{split}/{rank}/top1"] <= metrics[f"{split}/{rank}/top3"]
+        for rank in ("class", "phylum"):  # one class: every prediction is right
+            assert metrics[f"{split}/{rank}/top1"] == metrics[f"{split}/{rank}/f1"] == 1.0
         for rank in RANKS[1:]:
             assert f"{split}/{rank}_from_species/f1" in metrics
-        assert 0 <= metrics[f"{split}/hierarchy_consistency"] <= 1
+        # Consistent with the species in every rank means consistent in each: the joint rate is the lowest.
+        joint = metrics[f"{split}/hierarchy_consistency"]
+        assert joint <= min(metrics[f"{split}/{rank}/consistent_with_species"] for rank in RANKS[1:])
+        assert round(joint * 8, 9).is_integer()
     assert metrics["val/species/top1"] > 0.5, "each species has its own colour; training did not learn"
     assert summary["excluded_unknown_species"] == {"train": 0, "val": 1, "test": 1}
     assert "val: excluded 1 row(s) whose species is unknown (-1) from the closed-set metrics" in result.stdout
@@ -313,45 +310,63 @@ def test_end_to_end_reports_every_rank_on_val_and_test(reference_run: tuple[Path
     assert summary["best_metric"] == "val/species/f1"
 
 
-def test_sigkill_at_a_random_step_then_resume_is_bit_exact(
-    fungi_data: Path, reference_run: tuple[Path, subprocess.CompletedProcess], tmp_path: Path
-) -> None:
-    reference, _ = reference_run
-    steps_total = read_summary(reference)["steps"]
-    interrupted = tmp_path / "interrupted"
-    settings = [*RESUME_SETTINGS, "trainer.num_workers=1"]  # workers must not change the augmentation
-    kill_after = random.Random(7).randint(3, steps_total // 2)
-    process = start_recipe(RECIPE, overrides(fungi_data, interrupted, *settings))
-    wait_for_step(interrupted / "checkpoints", kill_after, process)
-    kill_run(process)
-    assert not (interrupted / "summary.json").exists(), "the run finished before it could be killed"
-    assert 0 < latest_step(interrupted / "checkpoints") < steps_total
-
-    result = run_recipe(RECIPE, overrides(fungi_data, interrupted, *settings))
-    assert_ok(result)
-    assert "resumed from" in result.stdout
-    resumed = read_summary(interrupted)
-    assert resumed["resumes"] == 1 and resumed["steps"] == steps_total
-    assert resumed["model_digest"] == read_summary(reference)["model_digest"]
-
-
-def test_two_process_gloo_run_counts_every_sample_once(fungi_data: Path, tmp_path: Path) -> None:
-    data = tmp_path / "data"
+@pytest.fixture(scope="module")
+def fungi_data_one_val_image_missing(fungi_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The prepared data with one known-species val image deleted: 7 val rows, split 4 + 3 on 2 ranks."""
+    data = tmp_path_factory.mktemp("fungi_missing") / "data"
     shutil.copytree(fungi_data, data, symlinks=False)
     val_csv = data / "metadata" / "FungiTastic-Mini" / "FungiTastic-Mini-Val.csv"
     known = pd.read_csv(val_csv).query("category_id != -1")
-    (data / "FungiTastic-Mini" / "val" / "300p" / known["filename"].iloc[0]).unlink()  # 7 rows: uneven split
-    run_dir = tmp_path / "run"
-    result = run_recipe(RECIPE, overrides(data, run_dir, "trainer.epochs=1", "data.skip_missing=true",
-                                          "loss.class_weighted_ranks=[species,genus]"), nproc=2)
-    assert_ok(result)
-    assert "val: skipped 1 row(s) whose image is missing (data.skip_missing=true)" in result.stdout
-    summary = read_summary(run_dir)
-    assert summary["world_size"] == 2
-    assert summary["steps"] == TRAIN_ROWS // (4 * 2)
-    assert summary["metrics"]["val/samples"] == 7
-    assert summary["metrics"]["test/samples"] == 8
+    (data / "FungiTastic-Mini" / "val" / "300p" / known["filename"].iloc[0]).unlink()
+    return data
+
+
+@pytest.mark.parametrize(("nproc", "stop_signal"), [pytest.param(1, signal.SIGTERM, id="1-SIGTERM"),
+                                                    pytest.param(2, signal.SIGUSR1, id="2-SIGUSR1")])
+def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(
+    fungi_data: Path, fungi_data_one_val_image_missing: Path, reference_run: tuple[Path, subprocess.CompletedProcess],
+    tmp_path: Path, nproc: int, stop_signal: signal.Signals,
+) -> None:
+    """One process: the reference loads without workers, the chain with one (which must not change
+    the augmentation). Two: class-weighted losses, and 7 val rows split unevenly, every metric equal
+    to one rank's."""
+    if nproc == 1:
+        kill_signal_resume(RECIPE, overrides(fungi_data, None, *RESUME_SETTINGS, "trainer.num_workers=1"), tmp_path,
+                           1, stop_signal, reference=reference_run[0])
+        return
+    settings = [*RESUME_SETTINGS, "data.skip_missing=true", "loss.class_weighted_ranks=[species,genus]"]
+    summary = kill_signal_resume(RECIPE, overrides(fungi_data_one_val_image_missing, None, *settings), tmp_path, 2,
+                                 stop_signal)
+    assert summary["steps"] == 3 * TRAIN_ROWS // (4 * 2)
+    assert summary["metrics"]["val/samples"] == 7 and summary["metrics"]["test/samples"] == 8
     assert summary["skipped_missing_images"] == {"train": 0, "val": 1, "test": 0}
+
+
+def test_each_rank_evaluates_its_own_images_and_together_every_image_once(fungi_data_one_val_image_missing: Path,
+                                                                         tmp_path: Path) -> None:
+    """The recipe's evaluation loaders on 2 ranks yield, between them, exactly the images and
+    labels of the 1-rank loader (7 rows: one rank gets 4, the other 3), each once."""
+    from common.distributed import DistInfo
+    from recipes.fungitastic.train import eval_loader
+
+    data = fungi_data_one_val_image_missing
+    cfg = OmegaConf.create({"data": {"image_size": 32, "draft_decode": True}, "trainer": {"batch_size": 2,
+                                                                                         "num_workers": 0}})
+    split_cfg = DataConfig(root=str(data), prepared_dir=str(data / "prepared"), skip_missing=True)
+    split = load_split(split_cfg, "val", metadata.load_mappings(split_cfg.prepared_dir, "mini"))
+
+    def samples(rank: int, world_size: int) -> list[tuple[bytes, tuple[int, ...]]]:
+        info = DistInfo(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
+                        launcher="single")
+        return [(image.numpy().tobytes(), tuple(label.tolist()))
+                for images, labels in eval_loader(split, cfg, info, pin_memory=False)
+                for image, label in zip(images, labels)]
+
+    everything = samples(0, 1)
+    first, second = samples(0, 2), samples(1, 2)
+    assert len(everything) == 7 and (len(first), len(second)) == (4, 3)
+    assert len({image for image, _ in everything}) == 7, "the test images must tell the samples apart"
+    assert sorted(first + second) == sorted(everything)
 
 
 def test_a_bad_rank_is_a_one_line_error_before_any_work(fungi_data: Path, tmp_path: Path) -> None:

@@ -23,16 +23,8 @@ import pytest
 from cluster.isc.rehearse import COMPUTE_MODES, load_experiment, sync_checkpoints
 from common.checkpoint import KEEP_ALL, CheckpointManager, checkpoint_dirs, committed_checkpoints
 from common.errors import UserError
-from tests.conftest import (
-    assert_ok,
-    kill_run,
-    latest_step,
-    read_summary,
-    recipe_env,
-    run_recipe,
-    start_recipe,
-    wait_for_step,
-)
+from tests.conftest import assert_ok, kill_run, latest_step, read_summary, recipe_env, run_recipe, start_recipe
+from tests.resume import paused_env, wait_for_pause
 from tools.tiny_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,8 +32,8 @@ RECIPES = sorted(p.parent.name for p in (REPO / "recipes").glob("*/train.py"))
 ISC_FILES = sorted((REPO / "cluster" / "isc").glob("*.isc"))
 FASHION_ISC = (REPO / "cluster" / "isc" / "fashion_mnist.isc").read_text()
 
-# Paces training steps (0.15 s per loss computation) so that a run is where the test wants it when
-# it is killed, on a fast machine as on a slow one; the recipe is unchanged.
+# Paces training steps (0.15 s per loss computation) so that a rehearsal's cycles of a few seconds
+# hold a known amount of training, on a fast machine as on a slow one; the recipe is unchanged.
 PACE_STEPS = """\
 import time
 import torch.nn.functional as functional
@@ -85,6 +77,7 @@ def test_isc_file_has_current_keys_a_documented_mode_and_keeps_only_checkpoints_
         assert variable in command, variable
     assert "checkpoint.dir=$CHECKPOINT_ARTIFACT_PATH" in command and "run_dir=$LOSSY_ARTIFACT_PATH" in command
     assert "run_dir=$CHECKPOINT_ARTIFACT_PATH" not in command
+    assert "python -m cluster.torchrun " in command, "torchrun with the exit codes of one process (cluster/README.md)"
     recipe = re.search(r"-m recipes\.(\w+)\.train", command).group(1)
     assert recipe == path.stem and (REPO / "recipes" / recipe / "train.py").is_file()
     assert [f"/data/{dataset}" for dataset in fields["dataset_id_list"]][0] in command
@@ -178,11 +171,11 @@ def test_a_run_stopped_mid_epoch_resumes_from_what_the_isc_ships_at_another_path
 
     node = tmp_path / "cycle-1"
     overrides, isc_env = on_isc(fashion_data, node)
-    process = start_recipe(RECIPE, overrides, nproc=nproc, env=recipe_env(**isc_env, PYTHONPATH=paced(tmp_path)))
-    wait_for_step(node / "checkpoints", steps_per_epoch + steps_per_epoch // 2, process)  # mid-epoch 2
+    killed_at = steps_per_epoch + steps_per_epoch // 2  # mid-epoch 2: the run pauses right after it
+    process = start_recipe(RECIPE, overrides, nproc=nproc, env=paused_env(killed_at, tmp_path / "paused", **isc_env))
+    wait_for_pause(tmp_path / "paused", process)
     kill_run(process)
-    killed_at = latest_step(node / "checkpoints")
-    assert killed_at % steps_per_epoch, f"step {killed_at} ends an epoch; the test wants a stop mid-epoch"
+    assert latest_step(node / "checkpoints") == killed_at
     best = [found for found in committed_checkpoints(node / "checkpoints") if "eval/top1" in found.metrics]
     assert len(best) == 1 and best[0].force, "the epoch-1 checkpoint, the best so far, is _force"
 

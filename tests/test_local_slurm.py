@@ -20,7 +20,7 @@ def test_wrap_job_completes_and_writes_output(slurm_env, tmp_path: Path):
     out = tmp_path / "hi-%j.out"
     job = sc.sbatch(args=["--output", str(out), "--wrap", "echo hi"], env=slurm_env, cwd=tmp_path)
 
-    assert sc.wait_for_job(job, timeout_s=30, env=slurm_env) == "COMPLETED"
+    assert sc.wait_for_job(job, timeout_s=180, env=slurm_env) == "COMPLETED"
     assert (tmp_path / f"hi-{job}.out").read_text() == "hi\n"
     assert sc.job_restart_count(job, env=slurm_env) == 0
 
@@ -32,7 +32,7 @@ def test_failing_job_is_reported_failed(slurm_env, tmp_path: Path):
         cwd=tmp_path,
     )
 
-    assert sc.wait_for_job(job, timeout_s=30, env=slurm_env) == "FAILED"
+    assert sc.wait_for_job(job, timeout_s=180, env=slurm_env) == "FAILED"
     info = sc.job_info(job, env=slurm_env)
     assert info is not None and info["ExitCode"] == "3:0"
 
@@ -78,12 +78,12 @@ def test_usr1_requeue_then_second_run_completes(slurm_env, tmp_path: Path):
     job = sc.sbatch(script, args=["--output", str(out)], env=slurm_env, cwd=tmp_path)
 
     # Signal only once the trap is in place (bash's default for USR1 is to die).
-    sc.wait_for_file(out, timeout_s=30, contains="trap armed")
+    sc.wait_for_file(out, timeout_s=180, contains="trap armed")
     assert sc.job_state(job, env=slurm_env) == "RUNNING"
     sc.signal_batch(job, "USR1", env=slurm_env)
 
     # Requeued: back to PENDING (for cred_expire seconds) with Restarts=1, then runs again.
-    assert sc.wait_for_job(job, timeout_s=45, env=slurm_env) == "COMPLETED"
+    assert sc.wait_for_job(job, timeout_s=300, env=slurm_env) == "COMPLETED"
     assert sc.job_restart_count(job, env=slurm_env) == 1
 
     text = out.read_text()
@@ -114,12 +114,13 @@ TIME_LIMIT_SIGNAL_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_signal_before_time_limit_reaches_batch_shell(slurm_env, tmp_path: Path):
-    """--signal=B:USR1@55 with a 1-minute limit: USR1 arrives ~5 s in (slurmctld checks
-    time limits about every 30 s, so up to ~35 s), long before the limit kills the job."""
+    """--signal=B:USR1@55 with a 1-minute limit: USR1 arrives ~5 s after the job starts (slurmctld
+    checks time limits about every 30 s, so up to ~35 s), long before the limit kills the job. The
+    wait allows for a loaded machine: a job left without the signal would end TIMEOUT or FAILED."""
     script = tmp_path / "limit.sbatch"
     script.write_text(TIME_LIMIT_SIGNAL_SCRIPT)
     out = tmp_path / "limit.out"
     job = sc.sbatch(script, args=["--output", str(out)], env=slurm_env, cwd=tmp_path)
 
-    assert sc.wait_for_job(job, timeout_s=55, env=slurm_env) == "COMPLETED"
+    assert sc.wait_for_job(job, timeout_s=300, env=slurm_env) == "COMPLETED"
     assert "got USR1 from the time limit" in out.read_text()

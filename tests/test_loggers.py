@@ -12,10 +12,17 @@ from common.loggers import RunLogger
 
 
 def test_tensorboard_writes_events(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     logger = RunLogger("tensorboard", tmp_path / "tb", is_main=True, run_name="r")
-    logger.log({"train/loss": 1.5}, step=3)
+    logger.log({"train/loss": 1.5, "eval/accuracy": 0.25}, step=3)
+    logger.log({"train/loss": 0.5}, step=7)
     logger.close()
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["eval/accuracy", "train/loss"]
+    assert [(event.step, event.value) for event in events.Scalars("train/loss")] == [(3, 1.5), (7, 0.5)]
+    assert [(event.step, event.value) for event in events.Scalars("eval/accuracy")] == [(3, 0.25)]
 
 
 def test_non_main_ranks_write_nothing_and_never_import_wandb(tmp_path: Path) -> None:

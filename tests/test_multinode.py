@@ -28,6 +28,7 @@ import pytest
 from cluster.processes import kill_tree
 from tests import slurm_cluster as sc
 from tests.conftest import REPO, free_port, latest_step, read_summary, recipe_env, sampler_positions, start_recipe
+from tests.resume import paused_env
 from tools.tiny_data import write_fashion_mnist
 
 pytestmark = pytest.mark.slurm
@@ -203,7 +204,11 @@ def alone_preempted_and_single_node(cluster: sc.LocalCluster, tmp: Path, data: P
     as 2 processes on one node, without SLURM."""
     overrides = [f"data.root={data}", *TRAIN]
     alone = submit(cluster, tmp, "alone", 2, overrides, STAGE_DATA="1")
-    preempted = submit(cluster, tmp, "preempted", 2, overrides, STAGE_DATA="1")
+    # The pre-empted job waits after its step-2 checkpoint until the signal reaches it, so that a
+    # fast machine cannot finish the run first.
+    pause = paused_env(2, tmp / "preempted.paused")
+    preempted = submit(cluster, tmp, "preempted", 2, overrides, STAGE_DATA="1",
+                       **{name: pause[name] for name in ("PYTHONPATH", "PAUSE_AT_STEP", "PAUSE_MARKER", "PAUSE_HOW")})
     single_node = start_recipe("fashion_mnist", [*overrides, f"run_dir={tmp / 'single_node'}"], nproc=2)
     copies_seen: set[str] = set()
     signalled_at = None
@@ -213,7 +218,7 @@ def alone_preempted_and_single_node(cluster: sc.LocalCluster, tmp: Path, data: P
         for node in cluster.nodes:
             if any(cluster.scratch(node).glob(f"recipes-*-{alone.id}/train-images-idx3-ubyte")):
                 copies_seen.add(node)
-        if signalled_at is None and latest_step(preempted.run_dir / "checkpoints") >= 2:
+        if signalled_at is None and (tmp / "preempted.paused").exists():
             signalled_at = latest_step(preempted.run_dir / "checkpoints")
             sc.signal_batch(preempted.id, "USR1", env=cluster.env)
         time.sleep(0.1)
@@ -338,7 +343,7 @@ def test_usr1_reaches_every_rank_on_every_node_and_the_requeued_job_ends_like_th
     stops = stops_at(first_segment)
     assert stops.keys() == {"0", "1"} and len(set(stops.values())) == 1, first_segment  # one checkpoint, together
     step = stops["0"]
-    assert run["signalled_at"] <= step < 64
+    assert run["signalled_at"] == 2 and step == 3
     assert re.search(rf"resumed from \S+ \(step {step}, ", output[output.index("start (restart 1)"):]), output
     summary = read_summary(preempted.run_dir)
     assert summary["resumes"] == 1 and summary["steps"] == 64 and summary["world_size"] == 2

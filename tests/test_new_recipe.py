@@ -43,14 +43,25 @@ def test_new_recipe_round_trip(tmp_path: Path) -> None:
                            cwd=sandbox, capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "already exists" in again.stderr
 
-    # The copy's multi-process tests are the original's, already run by this suite; the rest run here.
+    for path in ("cluster/slurm/demo_copy.sbatch", "cluster/isc/demo_copy.isc"):
+        text = (sandbox / path).read_text()
+        assert "recipes.demo_copy.train" in text and "fashion_mnist" not in text, path
+
+    # The copy's multi-process tests (and a second single-process chain) are the original's, already
+    # run by this suite; the rest run here, and so do the suite's checks that every recipe has its
+    # cluster files, which pass as they did before the copy (the copied sbatch file is also linted).
     multi_process = [f"--deselect=tests/test_demo_copy.py::{name}" for name in (
-        "test_sigkill_at_a_random_step_then_resume_is_bit_exact[2]",
+        "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact[2-SIGUSR1]",
+        "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact[1-SIGUSR1-killed-at-an-epoch-end]",
         "test_gradient_accumulation_keeps_the_effective_batch_on_fewer_ranks",
         "test_a_finished_run_extended_on_another_number_of_ranks_continues",
     )]
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                            "tests/test_demo_copy.py", *multi_process],
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-x", "-v", "-p", "no:cacheprovider",
+                            "tests/test_demo_copy.py", *multi_process, "tests/test_isc.py", "tests/test_cluster.py",
+                            "-k", "test_demo_copy or every_recipe or demo_copy.isc or demo_copy.sbatch"],
                            cwd=sandbox, env=recipe_env(), capture_output=True, text=True, timeout=900)
     assert tests.returncode == 0, tests.stdout[-4000:]
+    for name in ("test_every_recipe_has_an_isc_file", "test_every_recipe_has_an_sbatch_file_that_runs_it",
+                 "demo_copy.isc", "demo_copy.sbatch", "test_demo_copy.py::test_user_errors"):
+        assert name in tests.stdout, f"{name} did not run in the copy:\n{tests.stdout[-4000:]}"
     assert " passed" in tests.stdout and "failed" not in tests.stdout

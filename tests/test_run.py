@@ -89,28 +89,85 @@ def _sums_worker(rank: int, world_size: int, port: int, directory: Path) -> None
         run.resume()
         sums.add(loss=torch.tensor([1.0]) if rank == 0 else torch.tensor([1.0, 2.0, 3.0]), count=1 + 2 * rank)
         totals = sums.reduce()
+        seed_everything(100 + rank)  # each rank's own random streams
         run.save()
+        expected_draws = draws()
 
         resumed = SumMetrics(torch.device("cpu"))
+        seed_everything(0)
         small_run(directory, resumed, rank, world_size).resume()
-        (directory.parent / f"rank{rank}.json").write_text(json.dumps({"before": totals, "after": resumed.reduce()}))
+        (directory.parent / f"rank{rank}.json").write_text(json.dumps(
+            {"before": totals, "after": resumed.reduce(), "same draws": draws() == expected_draws}))
     finally:
         dist.destroy_process_group()
 
 
-def test_partial_metric_sums_of_every_rank_survive_a_resume(tmp_path: Path) -> None:
-    """After a 2-rank resume each rank holds its own partial sums again (not rank 0's twice); on
-    one rank the totals of both are kept."""
+def test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume(tmp_path: Path) -> None:
+    """After a 2-rank resume each rank holds its own partial sums and its own RNG states again
+    (not rank 0's twice); on one rank the totals of both are kept."""
     directory = tmp_path / "checkpoints"
     mp.spawn(_sums_worker, args=(2, free_port(), directory), nprocs=2, join=True)
     for rank in range(2):
         sums = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sums["before"] == sums["after"] == {"count": 4.0, "loss": 7.0}
+        assert sums["same draws"], f"rank {rank} does not draw what it would have drawn without the restart"
 
     one_rank = SumMetrics(torch.device("cpu"))
     progress = small_run(directory, one_rank).resume()
     assert one_rank.reduce() == {"count": 4.0, "loss": 7.0}
     assert progress.resumes == 1
+
+
+def test_a_resume_brings_back_every_part_of_the_training_state(tmp_path: Path) -> None:
+    """Through a real checkpoint: the weights, the optimizer's moments, the LR schedule's position,
+    the fp16 grad scaler's scale and growth count, the sampler's place in its epoch, the progress
+    counters and the RNGs, each into fresh objects built as a restarted run builds them."""
+    from common.optim import warmup_cosine
+
+    def build() -> TrainingRun:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sampler = ResumableDistributedSampler(40, seed=1)
+        plan = StepPlan(sampler, micro_batch=5, accumulate=1, world_size=1, epochs=3)
+        info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="test")
+        return TrainingRun(info, plan, CheckpointManager(tmp_path / "checkpoints"),
+                           CheckpointCadence(0, 0, 1, StopSignals()),
+                           lambda step: RunLogger("none", tmp_path / "logs", True, "test", resume_step=step),
+                           recipe="test", run_dir=tmp_path, resume_from_checkpoint=True, eval_every_epochs=1,
+                           model=model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 2, 10, 0.0),
+                           scaler=torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2),
+                           sampler=sampler, train_sums=SumMetrics(torch.device("cpu")))
+
+    run = build()
+    run.resume()
+    run.sampler.set_epoch(1)
+    for _ in range(3):
+        run.scaler.scale(run.model(torch.randn(5, 4)).square().mean()).backward()
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad()
+        run.scheduler.step()
+        run.sampler.advance(5)
+    assert run.scaler.get_scale() == 2048.0 and run.scaler.state_dict()["_growth_tracker"] == 1
+    run.progress.step, run.progress.epoch, run.progress.extra = 3, 1, {"stage": "probe"}
+    seed_everything(11)
+    run.save()
+    expected_draws = draws()
+
+    seed_everything(12)
+    restored = build()
+    progress = restored.resume()
+    assert draws() == expected_draws
+    assert (progress.step, progress.epoch, progress.extra, progress.resumes) == (3, 1, {"stage": "probe"}, 1)
+    for name, value in run.model.state_dict().items():
+        assert torch.equal(restored.model.state_dict()[name], value), name
+    for key, value in run.optimizer.state_dict()["state"][0].items():
+        assert torch.equal(restored.optimizer.state_dict()["state"][0][key], value), key
+    assert restored.scheduler.state_dict() == run.scheduler.state_dict()
+    assert restored.scheduler.get_last_lr() == run.scheduler.get_last_lr()
+    assert restored.scaler.state_dict() == run.scaler.state_dict()
+    assert (restored.sampler.epoch, restored.sampler.consumed, list(restored.sampler)) == (1, 15, list(run.sampler))
 
 
 # ---- steps of an epoch ---------------------------------------------------------------------------

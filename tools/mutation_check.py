@@ -8,8 +8,9 @@ mutations survive (their tests still pass).
 A mutation replaces one exact piece of source text (it must occur exactly once, so a mutation
 that no longer applies after a change is reported, not silently skipped). The copy is made once,
 from the working tree (tracked and untracked-but-not-ignored files), and each mutated file is
-restored after its run; ``.venv`` is linked, not copied. Exit code 0 only when every mutation
-was killed.
+restored after its run; ``.venv`` is linked, not copied. The named tests are first run on the
+unmutated copy: they must pass, or a failure would prove nothing. Exit code 0 only when every
+mutation was killed.
 """
 
 from __future__ import annotations
@@ -68,18 +69,31 @@ def apply(mutation: Mutation, root: Path) -> str:
     return original
 
 
-def run_tests(mutation: Mutation, root: Path) -> tuple[str, str]:
-    """``killed`` when a named test fails, ``survived`` when all pass."""
+def pytest(tests: list[str], root: Path) -> tuple[int | None, str]:
+    """Run ``tests`` in the copy: pytest's exit code (None: timed out) and its last line."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    command = [str(root / ".venv" / "bin" / "python"), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-               *mutation.tests]
+    command = [str(root / ".venv" / "bin" / "python"), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     try:
         result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return "timed out", f"tests still running after {TIMEOUT_S} s"
-    last = (result.stdout.strip().splitlines() or [""])[-1]
-    verdicts = {0: "survived", 1: "killed"}  # pytest's exit codes: all passed, some failed
-    return verdicts.get(result.returncode, f"error {result.returncode}"), last
+        return None, f"tests still running after {TIMEOUT_S} s"
+    return result.returncode, (result.stdout.strip().splitlines() or [""])[-1]
+
+
+def run_tests(mutation: Mutation, root: Path) -> tuple[str, str]:
+    """``killed`` when a named test fails, ``survived`` when all pass."""
+    code, last = pytest(list(mutation.tests), root)
+    verdicts = {None: "timed out", 0: "survived", 1: "killed"}  # pytest's exit codes: all passed, some failed
+    return verdicts.get(code, f"error {code}"), last
+
+
+def check_baseline(mutations: list[Mutation], root: Path) -> None:
+    """The named tests must pass on the unmutated copy, or a failure would say nothing of a mutation."""
+    tests = list(dict.fromkeys(test for mutation in mutations for test in mutation.tests))
+    print(f"baseline: {len(tests)} tests on the unmutated copy", flush=True)
+    code, last = pytest(tests, root)
+    if code != 0:
+        raise SystemExit(f"error: the tests fail without any mutation ({last}); fix them first")
 
 
 def check(mutations: list[Mutation], keep: Path | None) -> list[Outcome]:
@@ -87,6 +101,7 @@ def check(mutations: list[Mutation], keep: Path | None) -> list[Outcome]:
     copy_repository(root)
     outcomes = []
     try:
+        check_baseline(mutations, root)
         for number, mutation in enumerate(mutations, 1):
             print(f"[{number}/{len(mutations)}] {mutation.id}: {mutation.file}", flush=True)
             start = time.monotonic()

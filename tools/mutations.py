@@ -1,5 +1,11 @@
 """The mutations ``tools/mutation_check.py`` applies: each one a bug that would hurt users, the
-exact source text it replaces, and the tests that must catch it."""
+exact source text it replaces, and the smallest set of tests that must catch it.
+
+The first ones are those issue 15's audit found the suite letting through (adapted to the
+checkpoint layout of issue 14); the others were chosen where a bug would cost users most: lost or
+repeated samples, a resume that silently differs, a checkpoint that cannot be loaded or is loaded
+damaged, metrics that depend on the number of ranks, and exit codes a cluster acts on.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +22,193 @@ class Mutation:
     breaks: str  # what a user would see
 
 
+CHAIN = "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact"
+CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
+                     "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
+
 MUTATIONS: list[Mutation] = [
+    # ---- found by the audit (issue 15) ----------------------------------------------------------
     Mutation(
-        "extended-run-stays-finished", "recipes/fashion_mnist/train.py",
-        "progress.finished = False  # a finished run restarted with more epochs or steps goes on", "pass",
+        "extended-run-stays-finished", "common/run.py",
+        "self.progress.finished = False  # a finished run restarted with more epochs or steps goes on", "pass",
         ("tests/test_fashion_mnist.py::test_a_finished_run_extended_on_another_number_of_ranks_continues",),
         "a finished run restarted with more epochs reports its old metrics and writes no final checkpoint",
+    ),
+    Mutation(
+        "timm-augmentation-seeded-by-step-of-this-process", "recipes/timm_imagenet/train.py",
+        "        for group in run.steps(train_loader):  # one optimizer step per group of micro-batches\n"
+        "            # timm's Mixup draws from NumPy's global generator and drop path from torch's: seeded per step.\n"
+        "            with seeded_global_rng(seed, progress.step, dist_info.rank):",
+        "        for steps_here, group in enumerate(run.steps(train_loader)):\n"
+        "            with seeded_global_rng(seed, steps_here, dist_info.rank):",
+        (f"tests/test_timm_imagenet.py::{CHAIN}[2-SIGUSR1]",),
+        "a run resumed mid-epoch draws other augmentations than the uninterrupted run",
+    ),
+    Mutation(
+        "symlink-moved-before-the-rename", "common/checkpoint.py",
+        "        os.rename(tmp, final)\n        _fsync_dir(self.directory)\n        self._point_latest_at(final)\n",
+        "        self._point_latest_at(final)\n        os.rename(tmp, final)\n        _fsync_dir(self.directory)\n",
+        (f"{CHECKPOINT_KILLED}[committed-True]",),
+        "a crash between the two leaves the latest_checkpoint symlink naming a directory that is not there",
+    ),
+    Mutation(
+        "delete-in-place", "common/checkpoint.py",
+        "        os.rename(path, doomed)\n        shutil.rmtree(doomed, ignore_errors=True)",
+        "        shutil.rmtree(path, ignore_errors=True)",
+        (f"{CHECKPOINT_KILLED}[deleting-True]",),
+        "a crash while pruning leaves a checkpoint directory with files missing, some never cleaned up",
+    ),
+    Mutation(  # since issue 17 the stop branch of every recipe is this one, in the run contract
+        "stop-branch-deleted", "common/run.py",
+        "                if decision.stop:", "                if False:",
+        (f"tests/test_fungitastic.py::{CHAIN}[1-SIGTERM]", f"tests/test_dinov2_fsdp.py::{CHAIN}[2-SIGTERM]"),
+        "SIGTERM/SIGUSR1 are ignored: the run is killed at the end of the grace period and loses its work",
+    ),
+    Mutation(
+        "torchrun-exits-1-after-a-stop-signal", "cluster/torchrun.py",
+        "if len(codes) == workers and set(codes) == {EXIT_PREEMPTED}:", "if False:",
+        ("tests/test_cluster.py::test_torchrun_exits_75_when_the_workers_themselves_get_sigterm",),
+        "make train-<r> NPROC=n exits 1, not 75, after a SIGTERM: a pre-empted run looks like a crash",
+    ),
+    Mutation(
+        "torchrun-skips-the-override-check", "cluster/torchrun.py",
+        "    if args.module:\n        check_overrides(args.training_script, args.training_script_args)\n", "",
+        ("tests/test_cluster.py::test_make_train_with_nproc_reports_a_bad_override_in_one_line_before_starting_workers",),
+        "a bad override under torchrun prints every rank's error and torchrun's traceback, exit 1",
+    ),
+    Mutation(
+        "tv-segmentation-confusion-matrix-not-reduced", "recipes/tv_segmentation/metrics.py",
+        "            dist.all_reduce(counts, op=dist.ReduceOp.SUM)", "            pass",
+        (f"tests/test_tv_segmentation.py::{CHAIN}[2-SIGTERM]",),
+        "mIoU on 2 ranks counts only rank 0's pixels",
+    ),
+    # ---- where a bug would hurt users most --------------------------------------------------------
+    Mutation(
+        "sampler-resumes-at-the-start-of-the-epoch", "common/sampler.py",
+        '        self.set_epoch(state["epoch"], state["consumed"])', '        self.set_epoch(state["epoch"], 0)',
+        (f"tests/test_fashion_mnist.py::{CHAIN}[1-SIGTERM]",),
+        "a resumed run sees the first part of its epoch twice",
+    ),
+    Mutation(
+        "sampler-position-ignores-the-other-ranks", "common/sampler.py",
+        "self.consumed + samples_per_rank * self.world_size)", "self.consumed + samples_per_rank)",
+        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1]",),
+        "a multi-rank run resumed mid-epoch repeats samples",
+    ),
+    Mutation(
+        "torch-rng-not-restored", "common/rng.py",
+        '    torch.set_rng_state(state["torch"].cpu())', "    torch.get_rng_state()",
+        ("tests/test_run.py::test_a_resume_brings_back_every_part_of_the_training_state",
+         f"tests/test_cifar100_resnet50.py::{CHAIN}[1-SIGUSR1]"),
+        "drop path and dropout draw other masks after a resume: the run differs from an uninterrupted one",
+    ),
+    Mutation(
+        "every-rank-gets-rank-0s-rng", "common/run.py",
+        "    set_rng_state(rngs[rank] if same_world else rngs[0])", "    set_rng_state(rngs[0])",
+        ("tests/test_run.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
+        "after a multi-rank resume every rank continues rank 0's random streams instead of its own",
+    ),
+    Mutation(
+        "grad-scaler-not-restored", "common/run.py",
+        '            self.scaler.load_state_dict(state["scaler"])', "            pass",
+        ("tests/test_run.py::test_a_resume_brings_back_every_part_of_the_training_state",),
+        "an fp16 run resumes with the initial loss scale: skipped steps or overflow after every resume",
+    ),
+    Mutation(
+        "metric-sums-restored-from-rank-0", "common/run.py",
+        "            self.train_sums.load_state_dict(saved_sums[rank])",
+        "            self.train_sums.load_state_dict(saved_sums[0])",
+        ("tests/test_run.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
+        "training metrics logged after a multi-rank resume count rank 0's partial sums twice",
+    ),
+    Mutation(
+        "manifest-digests-not-checked", "common/checkpoint.py",
+        'if digests and _file_digest(file) != expected["sha256"]:', "if False:",
+        ("tests/test_checkpoint.py::test_a_damaged_latest_falls_back_to_the_previous_one[flip]",
+         "tests/test_dinov2_fsdp.py::test_a_damaged_sharded_checkpoint_falls_back_to_the_previous_one"
+         "[flip_a_shard_byte]"),
+        "a corrupted checkpoint is loaded instead of falling back to the previous one",
+    ),
+    Mutation(
+        "prune-deletes-the-latest", "common/checkpoint.py",
+        "keep = {found_dir.path for found_dir in newest_first[: self.keep_last]}",
+        "keep = {found_dir.path for found_dir in newest_first[1 : self.keep_last]}",
+        ("tests/test_checkpoint.py::test_keep_last_n_steps_and_the_best_by_metric_which_is_force",),
+        "the checkpoint just committed is deleted: the symlink names a deleted directory",
+    ),
+    Mutation(
+        "uncommitted-directories-kept", "common/checkpoint.py",
+        "            if target is not None and found_dir.index > target.index and not found_dir.force:",
+        "            if False:",
+        ("tests/test_checkpoint.py::test_half_written_and_uncommitted_saves_are_ignored_and_removed",),
+        "a save that never reached the symlink stays and is later taken for a committed checkpoint",
+    ),
+    Mutation(
+        "dangling-symlink-taken-for-none", "common/checkpoint.py",
+        "        return Path(os.readlink(Path(directory) / LATEST)).name",
+        "        target = Path(os.readlink(Path(directory) / LATEST))\n"
+        "        return target.name if target.exists() else None",
+        ("tests/test_atomic_directory.py::test_an_absolute_symlink_to_a_path_that_is_gone_resolves_by_name",),
+        "checkpoints restored or downloaded to another path (every ISC cycle) resume from the wrong one",
+    ),
+    Mutation(
+        "background-save-does-not-wait-for-the-previous", "common/checkpoint.py",
+        '        """\n        self.wait()\n        metrics = dict(metrics or {})',
+        '        """\n        metrics = dict(metrics or {})',
+        ("tests/test_checkpoint_async.py::test_one_save_in_flight_the_next_waits_for_it",),
+        "two background writes at once: the host staging buffers are overwritten while being written",
+    ),
+    Mutation(
+        "dinov2-stage-not-restored", "recipes/dinov2_fsdp/train.py",
+        'stage = Stage(progress.extra.setdefault("stage", stage_of_epoch(0).value))',
+        'progress.extra.setdefault("stage", stage_of_epoch(0).value)\n    stage = stage_of_epoch(0)',
+        (f"tests/test_dinov2_fsdp.py::{CHAIN}[2-SIGTERM]",),
+        "a run resumed in the fine-tune stage restarts the stage with a fresh optimizer",
+    ),
+    Mutation(
+        "eval-metric-sums-not-reduced", "common/metrics.py",
+        "            dist.all_reduce(stacked, op=dist.ReduceOp.SUM)", "            pass",
+        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1]",),
+        "accuracy on several ranks is rank 0's share of the evaluation only",
+    ),
+    Mutation(
+        "fungitastic-counts-not-reduced", "recipes/fungitastic/metrics.py",
+        "            dist.all_reduce(flat, op=dist.ReduceOp.SUM)", "            pass",
+        (f"tests/test_fungitastic.py::{CHAIN}[2-SIGUSR1]",),
+        "macro-F1 and top-k on several ranks count rank 0's samples only",
+    ),
+    Mutation(
+        "eval-drops-the-last-samples", "recipes/timm_imagenet/train.py",
+        "eval_sampler = ResumableDistributedSampler(len(val_images), dist_info.rank, dist_info.world_size,\n"
+        "                                               shuffle=False, drop_last=False)",
+        "eval_sampler = ResumableDistributedSampler(len(val_images), dist_info.rank, dist_info.world_size,\n"
+        "                                               shuffle=False, drop_last=True)",
+        (f"tests/test_timm_imagenet.py::{CHAIN}[2-SIGUSR1]",),
+        "top-1 on 2 ranks leaves out the last val image of an odd count",
+    ),
+    Mutation(
+        "evaluation-with-each-ranks-batchnorm", "recipes/cifar100_resnet50/train.py",
+        "    broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed\n", "",
+        (f"tests/test_cifar100_resnet50.py::{CHAIN}[2-SIGTERM]",),
+        "2-rank EMA metrics after a resume differ from an uninterrupted run's",
+    ),
+    Mutation(
+        "worker-exit-code-not-recorded", "common/entry.py",
+        "                record_exit_code(EXIT_PREEMPTED)\n", "",
+        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1]",),
+        "under torchrun a pre-empted run exits 1: SLURM scripts and the ISC see a crash",
+    ),
+    Mutation(
+        "user-error-traceback", "common/entry.py",
+        "            except UserError as error:\n                fail(user_message(error))",
+        "            except UserError:\n                raise",
+        ("tests/test_fashion_mnist.py::test_user_errors_are_one_line_and_exit_2",),
+        "a missing data folder ends with a traceback instead of one line",
+    ),
+    Mutation(
+        "tensorboard-logs-nothing", "common/loggers.py",
+        "                self._writer.add_scalar(name, value, step)", "                pass",
+        ("tests/test_loggers.py::test_tensorboard_writes_events",),
+        "TensorBoard shows empty runs (the event file exists: SummaryWriter creates it at once)",
     ),
 ]

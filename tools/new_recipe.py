@@ -1,9 +1,11 @@
 """Copy a recipe as the start of a new one: ``make new-recipe NAME=x [FROM=fashion_mnist]``.
 
 Copies ``recipes/<from>/``, ``conf/<from>.yaml``, ``conf/experiment/<from>_*.yaml``,
-``data_prep/<from>.py`` and ``tests/test_<from>*.py``, renaming the recipe everywhere in them
-(module paths, config and schema names, class-name prefixes), so the copy's tests pass as
-they are. Nothing existing is overwritten.
+``data_prep/<from>.py``, ``tests/test_<from>*.py`` and the cluster files
+``cluster/slurm/<from>.sbatch`` and ``cluster/isc/<from>.isc`` (every recipe has both, and the
+suite checks that), renaming the recipe everywhere in them (module paths, config and schema
+names, class-name prefixes), so the copy's tests and the whole suite pass as they are. Nothing
+existing is overwritten.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def files_to_copy(repo: Path, source: str, target: str) -> list[tuple[Path, Path
         pairs.append((prep, repo / "data_prep" / f"{target}.py"))
     for path in sorted((repo / "tests").glob(f"test_{source}*.py")):
         pairs.append((path, path.with_name(path.name.replace(source, target, 1))))
+    for folder, suffix in (("slurm", ".sbatch"), ("isc", ".isc")):
+        cluster_file = repo / "cluster" / folder / f"{source}{suffix}"
+        if cluster_file.is_file():
+            pairs.append((cluster_file, cluster_file.with_name(f"{target}{suffix}")))
     return pairs
 
 

@@ -10,16 +10,13 @@
 #   background and the script waits for it (`cmd & wait`); the trap can then act at once.
 # * `scontrol requeue` on a running job SIGTERMs it and SIGKILLs it KillWait seconds later,
 #   so the training must have checkpointed and exited before the script requeues (last).
-# * torchrun dies on USR1 (leaving its workers behind) unless told to handle it
-#   (--signals-to-handle, here through PET_SIGNALS_TO_HANDLE); told so, it forwards USR1 to
-#   every worker and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds for them to exit. srun
-#   forwards USR1 to its tasks but turns SIGTERM into a step kill, so USR1 is what we forward.
+# * torchrun dies on USR1 (leaving its workers behind) unless told to handle it; the sbatch
+#   files start it through cluster/torchrun.py, which tells it to, so it forwards USR1 to every
+#   worker and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (120 by default) for them to exit,
+#   and exits 75 once they have checkpointed. srun forwards USR1 to its tasks but turns SIGTERM
+#   into a step kill, so USR1 is what we forward.
 # * The run directory is runs/<recipe>/slurm-<job id> unless name= or run_dir= is given; a
 #   requeued job keeps its job id, so it finds its checkpoints.
-
-# The signals torchrun forwards to its workers (USR1 added), and how long it waits for them.
-export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
 
 STOP_SIGNAL=""
 TRAINING_PID=""

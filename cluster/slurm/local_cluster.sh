@@ -636,7 +636,9 @@ cmd_exec() {
     local name=$1 pidfile
     shift
     [[ -s $STATE/nodes.env ]] || die "$STATE holds no several-node cluster (start it with --nodes N)"
-    node_names | grep -qx "$name" || die "no node '$name' in $STATE (nodes: $(node_names | paste -sd' ' -))"
+    # Not `node_names | grep -q`: grep stops reading at the first match, and under pipefail the
+    # writer's SIGPIPE would fail the test for a node that is there.
+    grep -qx "$name" <<<"$(node_names)" || die "no node '$name' in $STATE (nodes: $(node_names | paste -sd' ' -))"
     pidfile=$(slurmd_pidfile "$name")
     pid_alive "$pidfile" "$CONF" || die "the slurmd of $name is not running; start the cluster first"
     exec nsenter --target "$(<"$pidfile")" --net --uts --mount --wd="$PWD" -- \

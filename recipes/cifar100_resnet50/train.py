@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from timm.utils import ModelEmaV3
 from torch.nn.parallel import DistributedDataParallel
 
-from common.distributed import DistInfo
+from common.distributed import DistInfo, broadcast_buffers
 from common.entry import recipe_main, training_process
 from common.image_batches import Normalize
 from common.metrics import SumMetrics, ratio
@@ -38,6 +38,7 @@ from recipes.cifar100_resnet50.model import build_model
 def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, normalize: Normalize,
              cfg: DictConfig, dist_info: DistInfo, prefix: str = "eval") -> dict[str, float]:
     """Loss, top-1 and top-5 accuracy over the whole split, each sample counted once across ranks."""
+    broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed
     was_training = model.training
     model.eval()
     sampler = ResumableDistributedSampler(

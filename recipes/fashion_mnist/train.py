@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from common.distributed import DistInfo
+from common.distributed import DistInfo, broadcast_buffers
 from common.entry import recipe_main, training_process
 from common.image_batches import random_crop_and_flip
 from common.metrics import SumMetrics, ratio
@@ -36,6 +36,7 @@ from recipes.fashion_mnist.model import build_model
 def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, cfg: DictConfig,
              dist_info: DistInfo) -> dict[str, float]:
     """Loss and top-1 accuracy over the whole split, each sample counted once across ranks."""
+    broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed
     model.eval()
     sampler = ResumableDistributedSampler(
         len(images), dist_info.rank, dist_info.world_size, shuffle=False, drop_last=False

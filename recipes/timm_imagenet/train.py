@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from common.data import PerSampleSeeded, make_loader
-from common.distributed import DistInfo
+from common.distributed import DistInfo, broadcast_buffers
 from common.entry import recipe_main, training_process
 from common.errors import UserError
 from common.image_batches import Normalize
@@ -63,6 +63,7 @@ from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
 def evaluate(model: torch.nn.Module, loader: DataLoader, normalize: Normalize, cfg: DictConfig,
              device: torch.device, prefix: str) -> dict[str, float]:
     """Loss, top-1 and top-5 over the whole split, each image counted once across ranks."""
+    broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed
     was_training = model.training
     model.eval()
     sums = SumMetrics(device)

@@ -1,0 +1,87 @@
+"""torchrun for the recipes, with the exit codes of a single process.
+
+    python -m cluster.torchrun [torchrun options] -m recipes.<recipe>.train [hydra overrides]
+
+``make train-<r> NPROC=n``, ``cluster/launch.sh``, the sbatch and the .isc files start training
+through this module, which runs ``torch.distributed.run`` in this process and changes only what
+it reports when the workers end:
+
+* the overrides are checked against the recipe's schema once, before any worker starts: a bad
+  one is one line on stderr and exit code 2 (torchrun would print each rank's error and its own
+  traceback, and exit 1);
+* when every worker on this node stopped after its checkpoint (SIGTERM or SIGUSR1, sent to this
+  process, which forwards it, or to the workers themselves), the exit code is 75, as for a single
+  process; when every worker that ended ended on a user error, it is 2. torchrun exits 1 in both
+  cases. Each worker records its exit code in the folder named by :data:`common.entry.EXIT_CODE_DIR`;
+* SIGUSR1 (SLURM's usual warning signal) is forwarded to the workers like SIGTERM, and workers
+  get 120 s to write their checkpoint before torchrun kills them (its default is 30 s). Both can
+  be set as for torchrun (``--signals-to-handle``, ``--shutdown-timeout`` or their environment
+  variables).
+
+Any other failure is reported as torchrun reports it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.run import determine_local_world_size, parse_args, run
+
+from common.entry import EXIT_CODE_DIR, compose_config, fail
+from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SHUTDOWN_TIMEOUT_S = "120"
+RECIPE_MODULE = re.compile(r"^recipes\.(\w+)\.train$")
+
+
+def check_overrides(module: str, script_args: list[str]) -> None:
+    """Compose the recipe's config with the overrides, as each worker would; one line and exit 2 if
+    they are bad. A module that is not a recipe, and Hydra's own flags (sweeps, ``--cfg``), are
+    left to torchrun's workers."""
+    match = RECIPE_MODULE.match(module)
+    if match is None or any(arg.startswith("-") for arg in script_args):
+        return
+    overrides = [arg for arg in script_args if not arg.lstrip("+~").startswith("hydra")]
+    try:
+        compose_config(match.group(1), overrides)
+    except UserError as error:
+        fail(str(error))
+
+
+def recorded_exit_codes(folder: Path) -> list[int]:
+    return [int(text) for text in (path.read_text().strip() for path in folder.iterdir()) if text.isdigit()]
+
+
+@record  # torchrun's own error-file handling for the failures left to it
+def main(argv: list[str] | None = None) -> None:
+    # torchrun takes these defaults from the environment when it builds its parser.
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", SIGNALS_TO_HANDLE)
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.module:
+        check_overrides(args.training_script, args.training_script_args)
+    with tempfile.TemporaryDirectory(prefix="torchrun-exit-codes-") as folder:
+        os.environ[EXIT_CODE_DIR] = folder
+        try:
+            run(args)
+        except (ChildFailedError, SignalException) as error:
+            codes = recorded_exit_codes(Path(folder))
+            workers = determine_local_world_size(args.nproc_per_node)
+            if len(codes) == workers and set(codes) == {EXIT_PREEMPTED}:
+                print(f"torchrun: all {workers} worker(s) checkpointed and stopped; exiting with code "
+                      f"{EXIT_PREEMPTED} (run again to resume)", flush=True)
+                sys.exit(EXIT_PREEMPTED)
+            if codes and set(codes) == {EXIT_USER_ERROR} and isinstance(error, ChildFailedError):
+                sys.exit(EXIT_USER_ERROR)  # each worker printed its one line
+            raise
+
+
+if __name__ == "__main__":
+    main()

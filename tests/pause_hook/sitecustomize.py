@@ -1,0 +1,101 @@
+"""Test-only (tests/resume.py): pause a training run right after a chosen checkpoint, so that a
+SIGKILL or a stop signal lands exactly there, however fast or loaded the machine is.
+
+Python imports this module at start-up when its folder (and the repository) is on PYTHONPATH.
+With PAUSE_AT_STEP=<n> and PAUSE_MARKER=<file> set, it patches the checkpoint manager of every
+process started so, and each process that saves (every rank) does this at its first
+``CheckpointManager.save`` of a step ``>= n``:
+
+* by default, once that save has returned and its checkpoint is committed (a background write
+  included), rank 0 writes the step to the marker file; then the process waits until SIGTERM or
+  SIGUSR1 has reached it, and forever otherwise. The test SIGKILLs it there, or sends the signal,
+  after which the run goes on, sees the signal at its next step and stops there;
+* with PAUSE_HOW=after-evaluation, the same at the first save of such a step that carries
+  metrics (an epoch's end, saved again with its evaluation);
+* with PAUSE_HOW=mid-write (for ``checkpoint.async_save=true``), the background writer stops in
+  the middle of writing that checkpoint's ``state.pt`` and writes the marker; the training loop
+  goes on until its next save waits for the writer. A SIGKILL then lands in a real write;
+* a process started once the marker exists does not pause (a requeued job, say), nor does one
+  whose checkpoint directory does not contain PAUSE_ONLY_IN, when that is set (one job of a sweep).
+"""
+
+import os
+
+if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARKER"]):
+    import threading
+    import time
+    from pathlib import Path
+
+    import common.checkpoint as checkpoint_module
+    from common.checkpoint import CheckpointManager
+    from common.run import StopSignals
+
+    PAUSE_AT = int(os.environ["PAUSE_AT_STEP"])
+    MARKER = Path(os.environ["PAUSE_MARKER"])
+    HOW = os.environ.get("PAUSE_HOW", "after-save")
+    ONLY_IN = os.environ.get("PAUSE_ONLY_IN", "")
+    MID_WRITE = HOW == "mid-write"
+    signalled = threading.Event()
+    paused = threading.Event()
+    writing_paused_step = threading.local()
+
+    def mark(step: int) -> None:
+        temporary = MARKER.with_name(MARKER.name + ".tmp")
+        temporary.write_text(f"{step}\n")
+        temporary.rename(MARKER)
+
+    real_handle = StopSignals._handle
+
+    def handle_and_note(self: StopSignals, signum: int, frame: object) -> None:
+        real_handle(self, signum, frame)
+        signalled.set()
+
+    StopSignals._handle = handle_and_note
+
+    real_save = CheckpointManager.save
+
+    def save_then_pause(self: CheckpointManager, step: int, state: dict, metrics: dict | None = None,
+                        *args: object, **kwargs: object) -> None:
+        args = (state, metrics, *args)
+        if (paused.is_set() or step < PAUSE_AT or (HOW == "after-evaluation" and not metrics)
+                or ONLY_IN not in str(self.directory)):
+            real_save(self, step, *args, **kwargs)
+            return
+        paused.set()
+        if MID_WRITE:
+            self._pause_write_of = step
+            real_save(self, step, *args, **kwargs)
+            return
+        real_save(self, step, *args, **kwargs)
+        self.wait()  # a background write is committed too
+        if self.is_main:
+            mark(step)
+        while not signalled.is_set():
+            time.sleep(0.05)
+
+    CheckpointManager.save = save_then_pause
+
+    real_write = CheckpointManager._write
+
+    def write_with_pause(self: CheckpointManager, tmp: Path, final: Path, state: dict, manifest: dict) -> None:
+        if getattr(self, "_pause_write_of", None) == manifest["step"]:
+            writing_paused_step.step = manifest["step"]
+        try:
+            real_write(self, tmp, final, state, manifest)
+        finally:
+            writing_paused_step.step = None
+
+    CheckpointManager._write = write_with_pause
+
+    real_chunk = checkpoint_module._HashingWriter.write
+
+    def write_chunk_then_hang(self: object, data: bytes) -> int:
+        written = real_chunk(self, data)
+        step = getattr(writing_paused_step, "step", None)
+        if step is not None:
+            self.flush()
+            mark(step)
+            threading.Event().wait()  # the background writer: the training loop goes on
+        return written
+
+    checkpoint_module._HashingWriter.write = write_chunk_then_hang

@@ -1,0 +1,33 @@
+"""The mutation check itself: every mutation still applies to the source and names tests that
+exist, and a mutation the suite catches is reported as killed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+from tools.mutation_check import apply
+from tools.mutations import MUTATIONS
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[mutation.id for mutation in MUTATIONS])
+def test_each_mutation_applies_once_and_names_existing_tests(mutation, tmp_path: Path) -> None:
+    copy = tmp_path / mutation.file
+    copy.parent.mkdir(parents=True)
+    copy.write_text((REPO / mutation.file).read_text())
+    apply(mutation, tmp_path)  # raises unless the text occurs exactly once and the result compiles
+    assert copy.read_text() != (REPO / mutation.file).read_text()
+    for test in mutation.tests:
+        path, _, name = test.partition("::")
+        assert f"def {name.split('[')[0]}(" in (REPO / path).read_text(), test
+
+
+def test_a_caught_mutation_is_reported_killed() -> None:
+    result = subprocess.run([sys.executable, "-m", "tools.mutation_check", "--only", "tensorboard-logs-nothing"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 of 1 mutations killed; 0 not: none" in result.stdout
