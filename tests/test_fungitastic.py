@@ -350,7 +350,7 @@ def test_each_rank_evaluates_its_own_images_and_together_every_image_once(fungi_
     from recipes.fungitastic.train import eval_loader
 
     data = fungi_data_one_val_image_missing
-    cfg = OmegaConf.create({"data": {"image_size": 32, "draft_decode": True}, "trainer": {"batch_size": 2,
+    cfg = OmegaConf.create({"data": {"image_size": 32, "draft_decode": True}, "trainer": {"eval_batch_size": 2,
                                                                                          "num_workers": 0}})
     split_cfg = DataConfig(root=str(data), prepared_dir=str(data / "prepared"), skip_missing=True)
     split = load_split(split_cfg, "val", metadata.load_mappings(split_cfg.prepared_dir, "mini"))
