@@ -52,7 +52,7 @@ def parse_args(recipe: str, splits: tuple[str, ...], argv: list[str]) -> argpars
     parser.add_argument("--which", default=LATEST, help="latest (default), best, or a checkpoint directory's name")
     parser.add_argument("--split", default=splits[0], help=f"{' or '.join(splits)} (default {splits[0]})")
     parser.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. data.root=...")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def evaluate_run(run: TrainedRun, split: str, build: Callable[[Any, DistInfo, str], Evaluation],

@@ -129,6 +129,15 @@ def _safetensors_ready(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return ready
 
 
+def _readable_as_umask_allows(folder: Path) -> None:
+    """Give the files of ``folder`` the usual permissions (safetensors writes its files 0600, and an
+    export is made to be handed to others)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
+
+
 def export_run(run: TrainedRun, out: Path) -> Path:
     """Write ``run``'s chosen checkpoint as an export in ``out`` (replaced whole, atomically)."""
     from safetensors.torch import save_file
@@ -163,6 +172,7 @@ def export_run(run: TrainedRun, out: Path) -> Path:
     if hasattr(recipe, "write_extras"):
         recipe.write_extras(run.cfg, tmp, metadata)
     (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    _readable_as_umask_allows(tmp)
     model, _ = load_export(tmp)  # the export rebuilds the model by itself, with exactly these weights
     if state_digest(model.state_dict()) != metadata["source"]["weights_digest"]:
         raise RuntimeError(f"the model rebuilt from {tmp} does not hold the checkpoint's weights")
@@ -223,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--which", default=LATEST, help="latest (default), best, or a checkpoint directory's name")
     parser.add_argument("--out", default="", help="the export folder (default: <run dir>/export-<which>)")
     parser.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. data.root=...")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
         run = open_run(args.run, args.which, args.overrides)
         out = export_run(run, Path(args.out) if args.out else run.run_dir / f"export-{args.which}")

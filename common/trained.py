@@ -201,7 +201,9 @@ def load_model(model: torch.nn.Module, checkpoint: Path, state: dict[str, Any]) 
             from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
             shards = {"model": get_model_state_dict(model)}
-            dcp.load(shards, checkpoint_id=str(checkpoint / SHARDED_DIR))
+            with warnings.catch_warnings():  # one process without a group reads every shard itself, as meant
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(shards, checkpoint_id=str(checkpoint / SHARDED_DIR))
             set_model_state_dict(model, shards["model"])
         else:
             model.load_state_dict(state["model"])
