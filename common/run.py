@@ -88,6 +88,7 @@ class Progress:
     best_value: float | None = None
     evals_without_improvement: int = 0
     stopped_early: bool = False
+    init_from: str = ""  # the weights the run started from (init_from=), kept when it resumes: for the summary
 
     def describe(self) -> str:
         """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""
@@ -318,6 +319,7 @@ class TrainingRun:
             self.sampler.set_epoch(0)
             if self.init_from:
                 initialized = self._initialize_from(self.init_from)
+                self.progress.init_from = self.init_from
         else:
             try:
                 self._restore(self.loaded, sharded_model)
@@ -577,8 +579,8 @@ class TrainingRun:
             best = self.checkpoints.best()
             for name, obj in self.extra_state.items():
                 summary[f"{name}_digest"] = state_digest(obj.state_dict())
-            if self.init_from:
-                summary["init_from"] = self.init_from
+            if self.progress.init_from:
+                summary["init_from"] = self.progress.init_from
             if self.early_stopping_patience > 0:
                 summary["early_stopping"] = self._early_stopping_summary()
             path = write_summary(self.run_dir, recipe=self.recipe, metrics=metrics, progress=self.progress,
