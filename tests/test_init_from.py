@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from common.errors import UserError
 from common.export import export_run
-from common.trained import open_run
+from common.trained import checkpoint_weights, open_run
 from recipes.cifar100_resnet50.model import build_model
-from tests.conftest import REPO, recipe_env
-from tests.trained_runs import TINY, cifar_run, fashion_data, fungi_data, summary, timm_run, train_here
+from tests.conftest import REPO, assert_ok, recipe_env, run_recipe
+from tests.trained_runs import TINY, cifar_run, dinov2_run, fashion_data, fungi_data, summary, timm_run, train_here
 
 FROZEN = ["optim.lr=0", "trainer.max_steps=1"]  # one step that changes no parameter: the weights stay the initial ones
 
@@ -90,3 +90,21 @@ def test_mismatched_shapes_are_one_line_naming_the_first_tensor(tmp_path_factory
     assert result.stderr.strip().splitlines() == [
         f"error: init_from={source} does not fit this model: conv1.weight is [32, 3, 3, 3] there and "
         f"[64, 3, 3, 3] here"]
+
+
+def test_dinov2_on_two_fsdp_ranks_starts_from_the_export_of_a_sharded_run(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    source = open_run(dinov2_run(tmp_path_factory))
+    export = export_run(source, tmp_path / "export")
+    run = tmp_path / "run"
+    result = run_recipe("dinov2_fsdp", [f"run_dir={run}", f"data.root={source.cfg.data.root}",
+                                        f"model.weights={source.cfg.model.weights}", *TINY["dinov2_fsdp"], *FROZEN,
+                                        f"init_from={export}"], nproc=2)
+    assert_ok(result)
+    assert f"initialized from the model weights of the dinov2_fsdp export {export}" in result.stdout
+    started, _ = checkpoint_weights(open_run(run).checkpoint)  # every rank's shards, gathered
+    expected, _ = checkpoint_weights(source.checkpoint)
+    assert started.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(started[key], value), key
