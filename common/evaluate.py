@@ -89,7 +89,7 @@ def main(recipe: str, splits: tuple[str, ...], build: Callable[[Any, DistInfo, s
         with training_process(run.cfg, **(process_group(run.cfg) if process_group else {})) as dist_info:
             report = evaluate_run(run, args.split, build, dist_info)
             if dist_info.is_main:
-                path = eval_file(run.run_dir, args.split, args.which)
+                path = eval_file(run.run_dir, args.split, run.which)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_name(f".{path.name}.tmp")
                 tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
         run = open_run(args.run, args.which, args.overrides)
-        out = export_run(run, Path(args.out) if args.out else run.run_dir / f"export-{args.which}")
+        out = export_run(run, Path(args.out) if args.out else run.run_dir / f"export-{run.which}")
     except UserError as error:
         fail(user_message(error))
     metadata = read_metadata(out)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from common.evaluate import main as evaluate_main
+from recipes.fashion_mnist.evaluate import evaluation as fashion_evaluation
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.trained_runs import (
     cifar_run,
@@ -55,6 +57,11 @@ def test_best_or_a_named_checkpoint_is_the_one_evaluated(tmp_path_factory: pytes
     best = evaluate_here("fashion_mnist", run, which="best")
     assert Path(best["checkpoint"]).name == summary(run)["best_checkpoint"]
     assert (run / f"eval-test-{first.name}.json").is_file() and (run / "eval-test-best.json").is_file()
+
+    (run / f"eval-test-{first.name}.json").unlink()
+    evaluate_main("fashion_mnist", ("test",), fashion_evaluation, argv=[str(first)])  # RUN= one checkpoint
+    named = json.loads((run / f"eval-test-{first.name}.json").read_text())
+    assert named["which"] == first.name and named["metrics"] == saved["metrics"]
 
 
 def test_fungitastic_reports_val_and_test_per_taxonomic_rank(tmp_path_factory: pytest.TempPathFactory) -> None:
