@@ -14,12 +14,15 @@ SOURCE ?=
 WEIGHTS ?=
 EXPERIMENT ?=
 PYTEST_ARGS ?=
+RUN ?=
+WHICH ?=
+SPLIT ?=
 DEVICE ?= cuda
 
-.PHONY: help setup lint test mutation-check bench gpu-check compare new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test mutation-check bench gpu-check compare export new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
-	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path]"
+	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path] [RUN=run dir]"
 	@echo
 	@grep -hE '^[a-zA-Z_%-]+:.*?## ' $(MAKEFILE_LIST) | sort | \
 		awk 'BEGIN {FS = ":.*?## "}; {printf "  %-22s %s\n", $$1, $$2}'
@@ -46,6 +49,21 @@ ifeq ($(NPROC),1)
 else
 	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m recipes.$*.train $(ARGS)
 endif
+
+# The one-checkpoint tools read RUN=<run dir | its checkpoint folder | one checkpoint>; WHICH=latest|best|<name>.
+CHECKPOINT_ARGS = "$(or $(RUN),$(error RUN=<run dir | checkpoint folder | checkpoint> is required))" \
+	$(if $(WHICH),--which "$(WHICH)")
+
+eval-%: $(STAMP) FORCE ## Evaluate a checkpoint: RUN=<run dir> [WHICH=latest|best|<name>] [SPLIT=val|test] [ARGS=...] [NPROC=n]
+ifeq ($(NPROC),1)
+	$(PY) -m recipes.$*.evaluate $(CHECKPOINT_ARGS) $(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
+else
+	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m recipes.$*.evaluate $(CHECKPOINT_ARGS) \
+		$(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
+endif
+
+export: $(STAMP) FORCE ## Weights as safetensors + metadata.json: RUN=<run dir> [WHICH=latest|best|<name>] [OUT=dir] [ARGS=...]
+	$(PY) -m common.export $(CHECKPOINT_ARGS) $(if $(OUT),--out "$(OUT)") $(ARGS)
 
 lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
 	$(VENV)/bin/ruff check .

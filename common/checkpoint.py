@@ -7,7 +7,7 @@ One layout everywhere, the one the Strong Compute ISC's Checkpoint Artifacts shi
       AtomicDirectory_checkpoint_7/
         state.pt          everything that is not sharded (torch.save, loaded with weights_only)
         sharded/          optional: torch.distributed.checkpoint files (FSDP), every rank's shards
-        manifest.json     written last: step, metrics, sha256 and size of every file
+        manifest.json     written last: step, metrics, the run's config, sha256 and size of every file
       AtomicDirectory.latest_checkpoint -> /abs/path/checkpoints/AtomicDirectory_checkpoint_7
 
 ``N`` counts saves (the step is in the manifest), so a step saved twice (an epoch's last step,
@@ -311,6 +311,54 @@ class CheckpointError(Exception):
     """A checkpoint that is incomplete or whose content does not match its manifest."""
 
 
+def verify_checkpoint(path: Path, digests: bool = True) -> dict[str, Any]:
+    """The manifest of ``path`` if every file matches it (size, and sha256 with ``digests``);
+    :class:`CheckpointError` otherwise."""
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise CheckpointError("no manifest (the save did not complete)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"unreadable manifest ({error})") from error
+    for relative, expected in manifest["files"].items():
+        file = path / relative
+        if not file.is_file():
+            raise CheckpointError(f"{relative} is missing")
+        if file.stat().st_size != expected["size"]:
+            raise CheckpointError(f"{relative} has {file.stat().st_size} bytes, expected {expected['size']}")
+        if digests and _file_digest(file) != expected["sha256"]:
+            raise CheckpointError(f"{relative} does not match its sha256")
+    return manifest
+
+
+def load_candidates(directory: Path, log: Callable[[str], None] = report_to_stderr) -> list[Path]:
+    """Where to look for the latest checkpoint, in order: the symlink's target, then older
+    directories, newest first (all of them, highest ``N`` first, without a symlink)."""
+    found = checkpoint_dirs(directory)
+    target = latest_name(directory)
+    target_dir = next((found_dir for found_dir in found if found_dir.path.name == target), None)
+    if target is not None and target_dir is None:
+        log(f"warning: {directory / LATEST} names {target}, which is not in {directory}; "
+            f"trying the checkpoints that are")
+    if target_dir is not None:
+        found = [found_dir for found_dir in found if found_dir.index <= target_dir.index]
+    found.sort(key=lambda found_dir: (found_dir.path.name == target, found_dir.index, found_dir.force), reverse=True)
+    return [found_dir.path for found_dir in found]
+
+
+def newest_valid_checkpoint(directory: Path,
+                            log: Callable[[str], None] = report_to_stderr) -> tuple[Path, dict[str, Any]] | None:
+    """The latest checkpoint whose files match its manifest, and the manifest; a damaged one is
+    reported and the previous one tried. Reads only: nothing in ``directory`` changes."""
+    for path in load_candidates(directory, log):
+        try:
+            return path, verify_checkpoint(path)
+        except CheckpointError as error:
+            log(f"warning: checkpoint {path} is damaged ({error}); trying the previous one")
+    return None
+
+
 class CheckpointWriteError(UserError):
     """A checkpoint that could not be written (a full disk, a quota, a permission). Its partial
     directory is removed; the earlier checkpoints stay valid, and the run resumes from them."""
@@ -399,14 +447,17 @@ class CheckpointManager:
         metrics: dict[str, float] | None = None,
         sharded_state: dict[str, Any] | None = None,
         milestone: str | None = None,
+        config: dict[str, Any] | None = None,
     ) -> None:
         """Write a checkpoint of ``step``. Blocks until it is committed unless ``async_save`` is on.
         Collective: every rank calls it.
 
         ``milestone`` (e.g. "end of linear probe") names a checkpoint that must be kept: it is
-        ``_force`` and never pruned. With ``async_save`` it waits for the previous background save,
-        copies ``state`` and this rank's ``sharded_state`` to host memory and returns; :meth:`wait`
-        (or the next save or load) blocks until it is committed.
+        ``_force`` and never pruned. ``config`` (the run's config as plain data) goes into the
+        manifest, so a checkpoint folder on its own says how to rebuild its model. With
+        ``async_save`` it waits for the previous background save, copies ``state`` and this rank's
+        ``sharded_state`` to host memory and returns; :meth:`wait` (or the next save or load)
+        blocks until it is committed.
         """
         self.wait()
         metrics = dict(metrics or {})
@@ -425,6 +476,8 @@ class CheckpointManager:
         force = self._is_new_best(metrics) or milestone is not None if self.is_main else False
         final = self.directory / checkpoint_dir_name(index, force)
         manifest = {"format": 2, "step": step, "metrics": metrics, "milestone": milestone}
+        if config is not None:
+            manifest["config"] = config
         if self.async_save:
             self._save_in_background(tmp, final, state, sharded_state, manifest, size)
             return
@@ -601,46 +654,8 @@ class CheckpointManager:
     # ----------------------------------------------------------------- loading
 
     def verify(self, path: Path, digests: bool = True) -> dict[str, Any]:
-        """The manifest of ``path`` if every file matches it (size, and sha256 with ``digests``);
-        :class:`CheckpointError` otherwise."""
-        manifest_path = path / MANIFEST_FILE
-        if not manifest_path.is_file():
-            raise CheckpointError("no manifest (the save did not complete)")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as error:
-            raise CheckpointError(f"unreadable manifest ({error})") from error
-        for relative, expected in manifest["files"].items():
-            file = path / relative
-            if not file.is_file():
-                raise CheckpointError(f"{relative} is missing")
-            if file.stat().st_size != expected["size"]:
-                raise CheckpointError(f"{relative} has {file.stat().st_size} bytes, expected {expected['size']}")
-            if digests and _file_digest(file) != expected["sha256"]:
-                raise CheckpointError(f"{relative} does not match its sha256")
-        return manifest
-
-    def _candidates(self) -> list[Path]:
-        """Where to look, in order: the symlink's target, then older directories, newest first."""
-        found = checkpoint_dirs(self.directory)
-        target = latest_name(self.directory)
-        target_dir = next((found_dir for found_dir in found if found_dir.path.name == target), None)
-        if target is not None and target_dir is None:
-            self.log(f"warning: {self.directory / LATEST} names {target}, which is not in {self.directory}; "
-                     f"trying the checkpoints that are")
-        if target_dir is not None:
-            found = [found_dir for found_dir in found if found_dir.index <= target_dir.index]
-        found.sort(key=lambda found_dir: (found_dir.path.name == target, found_dir.index, found_dir.force),
-                   reverse=True)
-        return [found_dir.path for found_dir in found]
-
-    def _newest_valid(self) -> tuple[Path, dict[str, Any]] | None:
-        for path in self._candidates():
-            try:
-                return path, self.verify(path)
-            except CheckpointError as error:
-                self.log(f"warning: checkpoint {path} is damaged ({error}); trying the previous one")
-        return None
+        """The manifest of ``path`` if every file matches it; see :func:`verify_checkpoint`."""
+        return verify_checkpoint(path, digests)
 
     def load_latest(
         self, map_location: str | torch.device = "cpu", sharded_state: dict[str, Any] | None = None
@@ -653,7 +668,7 @@ class CheckpointManager:
         self.wait()
         chosen = None
         if self.is_main and self.directory.is_dir():
-            found = self._newest_valid()
+            found = newest_valid_checkpoint(self.directory, self.log)
             if found is not None:
                 chosen = (str(found[0]), found[1]["step"], found[1]["metrics"])
         chosen = distributed.broadcast_object(chosen)

@@ -59,6 +59,8 @@ class TrainerConfig:
     grad_clip_norm: float = 0.0  # 0 = no clipping
     log_every_steps: int = 50  # train metrics; without a terminal, also a progress line
     eval_every_epochs: int = 1
+    # Stop after this many evaluations in a row without a better checkpoint.best_metric; 0 = never.
+    early_stopping_patience: int = 0
     compile: bool = False
     # Deterministic kernels, no cuDNN autotuning: on a GPU a resumed run then ends bit-identical to an
     # uninterrupted one (same GPU model and software). Off: TF32 matmuls and cuDNN autotuning on CUDA.
@@ -122,3 +124,7 @@ class RunConfig:
     run_dir: str = "runs/${recipe}/${name}"  # deterministic, so a restarted job finds its checkpoints
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    # Start from another run's weights (a run directory, a checkpoint folder or directory, or a `make export`
+    # folder) with a fresh optimizer, schedule and sampler; a run that resumes its own checkpoint ignores it.
+    init_from: str = ""
+    init_skip_head: bool = False  # leave the classifier head out of init_from (when the classes differ)

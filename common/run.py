@@ -34,8 +34,14 @@ job. Such a handler is displaced too, and handed the signal once the checkpoint 
 
 A checkpoint holds everything a bit-exact continuation needs: the tracked objects, the sampler's
 position inside the epoch, every rank's RNG states and partial metric sums, and the progress
-counters. Restarting a finished run only rewrites its summary; restarting it with more epochs
-or steps goes on training.
+counters; its manifest holds the run's config. Restarting a finished run only rewrites its
+summary; restarting it with more epochs or steps goes on training.
+
+Two more things every recipe gets here. ``init_from=<run | checkpoint | export>`` starts a new
+run from another run's weights (``common/init_from.py``), with a fresh optimizer, schedule and
+sampler; a run that resumes its own checkpoint ignores it. ``trainer.early_stopping_patience``
+ends training after that many evaluations in a row without a better ``checkpoint.best_metric``;
+the count is part of the checkpointed :class:`Progress`, so a resumed run keeps it.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from common import distributed
 from common.checkpoint import KEEP_ALL, CheckpointManager, LoadedCheckpoint, is_artifact_path
@@ -77,6 +84,11 @@ class Progress:
     train_seconds: float = 0.0  # wall time spent in earlier segments of this run
     finished: bool = False  # the final checkpoint: restarting only rewrites the summary
     extra: dict[str, Any] = field(default_factory=dict)  # recipe-specific counters (e.g. stage)
+    # Early stopping: the best checkpoint.best_metric evaluated so far, and evaluations since it.
+    best_value: float | None = None
+    evals_without_improvement: int = 0
+    stopped_early: bool = False
+    init_from: str = ""  # the weights the run started from (init_from=), kept when it resumes: for the summary
 
     def describe(self) -> str:
         """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""
@@ -198,7 +210,10 @@ class TrainingRun:
     (each rank writes its FSDP shards; a checkpoint resumes on another number of ranks).
     ``milestones`` maps epochs to a reason: the checkpoint saved when that epoch ends is kept
     for good (``_force``). A recipe that starts a fresh optimizer mid-run (dinov2's stage switch)
-    hands it over with :meth:`track_optimizer`.
+    hands it over with :meth:`track_optimizer`. ``config`` (the run's config as plain data) is
+    written into every checkpoint's manifest; ``model_cfg`` (its ``model`` node) tells
+    ``init_from`` how this recipe names its tensors; ``init_from``, ``init_skip_head`` and
+    ``early_stopping_patience``: see the module.
     """
 
     def __init__(
@@ -222,6 +237,11 @@ class TrainingRun:
         extra_state: dict[str, Any] | None = None,
         sharded: bool = False,
         milestones: dict[int, str] | None = None,
+        config: dict[str, Any] | None = None,
+        model_cfg: Any = None,
+        init_from: str = "",
+        init_skip_head: bool = False,
+        early_stopping_patience: int = 0,
     ) -> None:
         self.dist_info = dist_info
         self.plan = plan
@@ -241,6 +261,11 @@ class TrainingRun:
         self.extra_state = dict(extra_state or {})
         self.sharded = sharded
         self.milestones = dict(milestones or {})
+        self.config = config
+        self.model_cfg = model_cfg
+        self.init_from = init_from
+        self.init_skip_head = init_skip_head
+        self.early_stopping_patience = early_stopping_patience
         self.progress = Progress()
         self.logger: RunLogger | None = None
         self.loaded: LoadedCheckpoint | None = None
@@ -252,7 +277,8 @@ class TrainingRun:
     @classmethod
     def from_config(cls, cfg: Any, dist_info: DistInfo, plan: StepPlan, **objects: Any) -> TrainingRun:
         """From a recipe's whole config: its ``checkpoint`` node (read here only), ``logging``,
-        ``trainer.eval_every_epochs``, ``recipe`` and ``run_dir``. ``objects``: see the class.
+        ``trainer.eval_every_epochs`` and ``trainer.early_stopping_patience``, ``recipe``,
+        ``run_dir``, ``init_from`` and ``init_skip_head``. ``objects``: see the class.
         In the ISC's ``CHECKPOINT_ARTIFACT_PATH`` nothing is pruned: the ISC deletes what it does not ship.
         Installs the SIGTERM/SIGUSR1 handlers."""
         checkpoint = cfg.checkpoint
@@ -269,14 +295,18 @@ class TrainingRun:
         open_logger = functools.partial(RunLogger.from_config, cfg, dist_info.is_main)
         return cls(dist_info, plan, checkpoints, cadence, open_logger, recipe=cfg.recipe, run_dir=cfg.run_dir,
                    resume_from_checkpoint=checkpoint.resume, eval_every_epochs=cfg.trainer.eval_every_epochs,
+                   config=OmegaConf.to_container(cfg, resolve=False, enum_to_str=True), model_cfg=cfg.model,
+                   init_from=cfg.init_from,
+                   init_skip_head=cfg.init_skip_head, early_stopping_patience=cfg.trainer.early_stopping_patience,
                    **objects)
 
     # ---- resume ---------------------------------------------------------------------------------
 
     def resume(self) -> Progress:
-        """Restore everything from the newest valid checkpoint (none: start at step 0), open the
-        logs and return the progress. Loaded to the CPU: RNG states must be there, and so must the
-        optimizer's step counts (on a GPU each optimizer step would read them back to the host)."""
+        """Restore everything from the newest valid checkpoint (none: start at step 0, from the
+        weights of ``init_from`` when it is set), open the logs and return the progress. Loaded to
+        the CPU: RNG states must be there, and so must the optimizer's step counts (on a GPU each
+        optimizer step would read them back to the host). Collective."""
         sharded_model = None
         if self.resume_from_checkpoint:
             if self.sharded:
@@ -284,8 +314,12 @@ class TrainingRun:
 
                 sharded_model = {"model": get_model_state_dict(self.model)}
             self.loaded = self.checkpoints.load_latest(map_location="cpu", sharded_state=sharded_model)
+        initialized = None
         if self.loaded is None:
             self.sampler.set_epoch(0)
+            if self.init_from:
+                initialized = self._initialize_from(self.init_from)
+                self.progress.init_from = self.init_from
         else:
             try:
                 self._restore(self.loaded, sharded_model)
@@ -297,9 +331,26 @@ class TrainingRun:
         self.logger = self.open_logger(self.progress.step)
         if self.loaded is not None:
             self.console(f"resumed from {self.loaded.path} ({self.progress.describe()})")
+            if self.init_from:
+                self.console(f"init_from={self.init_from} ignored: the run resumed from its own checkpoint")
+        if initialized is not None:
+            self.console(f"initialized from {initialized}")
         self._clock = self._log_clock = time.monotonic()
         self.cadence.saved()  # the wall-clock interval starts now, as after a save
         return self.progress
+
+    def _initialize_from(self, source: str) -> str:
+        """Load the weights of ``source`` into the model (and into extra state that is a copy of
+        it, such as an EMA, which then starts from the same weights); say what was loaded."""
+        from common.init_from import initialize_model
+
+        description = initialize_model(self.model, self.model_cfg, self.recipe, source, self.init_skip_head,
+                                       sharded=self.sharded)
+        weights = self.model.state_dict() if not self.sharded else None
+        for obj in self.extra_state.values():
+            if weights is not None and isinstance(obj, torch.nn.Module) and obj.state_dict().keys() == weights.keys():
+                obj.load_state_dict(weights)
+        return description
 
     def _restore(self, loaded: LoadedCheckpoint, sharded_model: dict[str, Any] | None) -> None:
         """Load ``loaded`` into the tracked objects, one resume later. RNG states and partial metric
@@ -361,7 +412,8 @@ class TrainingRun:
     # ---- the loop -------------------------------------------------------------------------------
 
     def training_done(self) -> bool:
-        return self.progress.epoch >= self.plan.epochs or self.progress.step >= self.plan.total
+        return (self.progress.epoch >= self.plan.epochs or self.progress.step >= self.plan.total
+                or self.progress.stopped_early)
 
     def steps(self, micro_batches: Iterable[Any]) -> Iterator[MicroBatches]:
         """The optimizer steps left in this epoch, each the :class:`~common.steps.MicroBatches` of one
@@ -428,15 +480,43 @@ class TrainingRun:
         """After :meth:`steps`: if the epoch is complete (not cut short by ``trainer.max_steps``),
         the next one starts; unless training is done then (the finish evaluates and saves), the
         checkpoint of the epoch's end is saved, with ``evaluate()``'s metrics every
-        ``trainer.eval_every_epochs`` epochs."""
+        ``trainer.eval_every_epochs`` epochs. An evaluation that makes early stopping's patience run
+        out ends training instead (the finish then evaluates and saves)."""
         if not self.plan.epoch_done():
             return
         self.progress.epoch += 1
         self.sampler.set_epoch(self.progress.epoch)
         if self.training_done():
             return
-        due = self.progress.epoch % self.eval_every_epochs == 0
-        self.save(evaluate() if due else None, milestone=self.milestones.get(self.progress.epoch))
+        metrics = evaluate() if self.progress.epoch % self.eval_every_epochs == 0 else None
+        if metrics is not None:
+            self._count_improvement(metrics, may_stop=True)
+        if not self.progress.stopped_early:
+            self.save(metrics, milestone=self.milestones.get(self.progress.epoch))
+
+    def _count_improvement(self, metrics: dict[str, float], may_stop: bool) -> None:
+        """Early stopping: count this evaluation as one without improvement unless it beats the
+        best ``checkpoint.best_metric`` so far (NaN never does); stop when ``may_stop`` and the
+        count reaches ``trainer.early_stopping_patience``. The same on every rank (reduced metrics)."""
+        if self.early_stopping_patience <= 0:
+            return
+        name, mode, progress = self.checkpoints.best_metric, self.checkpoints.best_mode, self.progress
+        if name not in metrics:
+            raise UserError(f"trainer.early_stopping_patience watches checkpoint.best_metric={name}, which the "
+                            f"evaluation does not report; it reports {', '.join(sorted(metrics))}")
+        value = metrics[name]
+        best = progress.best_value
+        improved = value == value and (best is None or (value > best if mode == "max" else value < best))
+        if improved:
+            progress.best_value, progress.evals_without_improvement = value, 0
+        else:
+            progress.evals_without_improvement += 1
+        if may_stop and progress.evals_without_improvement >= self.early_stopping_patience:
+            progress.stopped_early = True
+            best_text = "no value" if progress.best_value is None else f"{progress.best_value:.4g}"
+            self.console(f"early stopping: {name} has not improved on {best_text} for "
+                         f"{progress.evals_without_improvement} evaluation(s); stopping after epoch {progress.epoch} "
+                         f"(step {progress.step})")
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
@@ -452,7 +532,7 @@ class TrainingRun:
             model_shards, optimizer_shards = get_state_dict(self.model, self.optimizer)
             sharded_state = {"model": model_shards, "optimizer": optimizer_shards}
         self.checkpoints.save(self.progress.step, self._capture(), metrics, sharded_state=sharded_state,
-                              milestone=milestone)
+                              milestone=milestone, config=self.config)
         self.cadence.saved()
 
     def _capture(self) -> dict[str, Any]:
@@ -486,6 +566,8 @@ class TrainingRun:
             metrics = self.loaded.metrics
         else:
             metrics = evaluate()
+            if not self.progress.stopped_early:
+                self._count_improvement(metrics, may_stop=False)
             self.progress.finished = True
             at_epoch_end = self.sampler.consumed == 0
             self.save(metrics, milestone=self.milestones.get(self.progress.epoch) if at_epoch_end else None)
@@ -497,6 +579,10 @@ class TrainingRun:
             best = self.checkpoints.best()
             for name, obj in self.extra_state.items():
                 summary[f"{name}_digest"] = state_digest(obj.state_dict())
+            if self.progress.init_from:
+                summary["init_from"] = self.progress.init_from
+            if self.early_stopping_patience > 0:
+                summary["early_stopping"] = self._early_stopping_summary()
             path = write_summary(self.run_dir, recipe=self.recipe, metrics=metrics, progress=self.progress,
                                  world_size=self.dist_info.world_size, model_digest=model_digest,
                                  best_checkpoint=best.path.name if best is not None else None,
@@ -507,6 +593,15 @@ class TrainingRun:
                          + output_lines(path, self.checkpoints.directory, best.path if best is not None else None,
                                         best_metric, self.logger.log_dir))
         return metrics
+
+    def _early_stopping_summary(self) -> dict[str, Any]:
+        progress = self.progress
+        return {"patience": self.early_stopping_patience, "metric": self.checkpoints.best_metric,
+                "mode": self.checkpoints.best_mode, "best_value": progress.best_value,
+                "evaluations_without_improvement": progress.evals_without_improvement,
+                "stopped_early": progress.stopped_early,
+                "stopped_at_epoch": progress.epoch if progress.stopped_early else None,
+                "stopped_at_step": progress.step if progress.stopped_early else None}
 
     def _model_digest(self) -> str | None:
         """The summary's ``model_digest`` (on rank 0; collective for a sharded model)."""

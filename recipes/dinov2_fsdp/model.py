@@ -8,6 +8,7 @@ normalised tokens, the list of transformer blocks (the FSDP units) and the embed
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -89,19 +90,32 @@ def _unreachable(cfg: ModelConfig, error: Exception) -> UserError:
                      f"model.weights to the copy")
 
 
-def _transformers_backbone(cfg: ModelConfig) -> nn.Module:
-    from transformers import Dinov2Config, Dinov2Model
+def transformers_config(cfg: ModelConfig) -> Any:
+    """The backbone's ``Dinov2Config``: that of the pretrained weights (the local copy, else the hub),
+    or, for a random initialisation, of the published architecture table or the hub."""
+    from transformers import Dinov2Config
 
     weights = _local_weights(cfg)
     try:
         if cfg.pretrained:
-            return Dinov2Model.from_pretrained(str(weights or cfg.name), attn_implementation="sdpa")
+            return Dinov2Config.from_pretrained(str(weights or cfg.name))
         if cfg.name in DINOV2_ARCHITECTURES:
-            config = Dinov2Config(**DINOV2_ARCHITECTURES[cfg.name], image_size=cfg.image_size)
-        else:
-            config = Dinov2Config.from_pretrained(cfg.name)
+            return Dinov2Config(**DINOV2_ARCHITECTURES[cfg.name], image_size=cfg.image_size)
+        return Dinov2Config.from_pretrained(cfg.name)
     except OSError as error:
         raise _unreachable(cfg, error) from error
+
+
+def _transformers_backbone(cfg: ModelConfig) -> nn.Module:
+    from transformers import Dinov2Model
+
+    weights = _local_weights(cfg)
+    if cfg.pretrained:
+        try:
+            return Dinov2Model.from_pretrained(str(weights or cfg.name), attn_implementation="sdpa")
+        except OSError as error:
+            raise _unreachable(cfg, error) from error
+    config = transformers_config(cfg)
     config._attn_implementation = "sdpa"
     return Dinov2Model(config)
 

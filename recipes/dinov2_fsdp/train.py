@@ -96,9 +96,14 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
 
 
+def process_group(cfg: DictConfig) -> dict[str, bool]:
+    """The process group FSDP needs: gloo beside nccl for CPU offload, a group even of one rank."""
+    return {"cpu_collectives": cfg.fsdp.cpu_offload, "group_of_one": cfg.fsdp.on_one_rank}
+
+
 @recipe_main(DinoV2FSDPConfig)
 def main(cfg: DictConfig) -> None:
-    with training_process(cfg, cpu_collectives=cfg.fsdp.cpu_offload, group_of_one=cfg.fsdp.on_one_rank) as dist_info:
+    with training_process(cfg, **process_group(cfg)) as dist_info:
         train(cfg, dist_info)
 
 

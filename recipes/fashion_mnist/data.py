@@ -19,6 +19,7 @@ FILES = {
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
 IDX_DTYPE_UBYTE = 0x08
+CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 MEAN, STD = 0.2860, 0.3530  # of the training images, in [0, 1]
 BLACK = (0 - MEAN) / STD  # a black pixel, normalised: what random crops pad with
 

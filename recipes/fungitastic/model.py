@@ -40,16 +40,24 @@ class TaxonomyClassifier(nn.Module):
         return {rank: head(features) for rank, head in self.heads.items()}
 
 
+def size_kwargs(name: str, image_size: int) -> dict[str, int]:
+    """``{"img_size": image_size}`` for a timm model built for one input size (a ViT); ``{}`` for one
+    that takes any size (a convolutional network has no ``img_size`` argument)."""
+    try:
+        with torch.device("meta"):  # only the arguments are checked: no weights are made
+            timm.create_model(name, pretrained=False, num_classes=0, img_size=image_size)
+    except TypeError:
+        return {}
+    return {"img_size": image_size}
+
+
 def create_backbone(cfg: ModelConfig, image_size: int) -> nn.Module:
     """``cfg.name`` without its classifier, built for ``image_size`` inputs when it takes a size."""
     try:
         return timm.create_model(cfg.name, pretrained=False, num_classes=0, drop_path_rate=cfg.drop_path_rate,
-                                 img_size=image_size)
-    except TypeError:  # convolutional networks take any input size and have no img_size argument
-        pass
+                                 **size_kwargs(cfg.name, image_size))
     except (RuntimeError, ValueError) as error:  # timm's "Unknown model" is a RuntimeError
         raise UserError(f"model.name={cfg.name!r}: {error}") from error
-    return timm.create_model(cfg.name, pretrained=False, num_classes=0, drop_path_rate=cfg.drop_path_rate)
 
 
 def is_hub_name(source: str) -> bool:

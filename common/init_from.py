@@ -1,0 +1,80 @@
+"""``init_from=<run dir | checkpoint folder | checkpoint | export>``: a new run's first weights.
+
+The source's weights (those ``make export`` would write: the EMA where the source keeps one, FSDP
+shards consolidated) are renamed into the export's names by the source recipe's
+``recipes/<r>/export.py``, then into this model's names by this recipe's, so a run can start from
+another recipe's run of the same backbone (fungitastic from timm_imagenet). Every tensor of the
+model must be there with its shape, and nothing else: the first one that is not is a one-line
+error. ``init_skip_head=true`` leaves the classifier head (this recipe's ``head_prefixes``) out
+of both sides, for a source trained on other classes. Only the weights are taken: the optimizer,
+LR schedule, sampler and step start afresh, and a run that resumes its own checkpoint does not
+read the source at all (:meth:`common.run.TrainingRun.resume`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.errors import UserError
+from common.export import exporter, is_export, read_export_weights, read_metadata, rename
+from common.trained import LATEST, checkpoint_weights, open_run
+
+
+def source_weights(source: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The weights of ``source`` in export names, and a line saying what they are."""
+    path = Path(source)
+    if is_export(path):
+        metadata = read_metadata(path)
+        return read_export_weights(path, metadata), (f"the {metadata['weights']} weights of the {metadata['recipe']} "
+                                                     f"export {path}")
+    run = open_run(path, LATEST)
+    weights, kind = checkpoint_weights(run.checkpoint)
+    exported = rename(weights, exporter(run.recipe).key_prefixes(run.cfg.model), to_export=True)
+    return exported, f"the {kind} weights of {run.checkpoint} ({run.recipe}, step {run.manifest['step']})"
+
+
+def model_shapes(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Size]:
+    """Every tensor of the model's state and its whole shape (an FSDP shard's global shape)."""
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {key: value.shape for key, value in get_model_state_dict(model).items()}
+    return {key: value.shape for key, value in model.state_dict().items()}
+
+
+def initialize_model(model: torch.nn.Module, model_cfg: Any, recipe: str, source: str, skip_head: bool,
+                     sharded: bool = False) -> str:
+    """Load ``source``'s weights into ``model`` (of ``recipe``, built from ``model_cfg``; FSDP-sharded
+    with ``sharded``, then collectively on every rank) and return what was loaded."""
+    try:
+        exported, description = source_weights(source)
+        target = exporter(recipe)
+        renamed = rename(exported, target.key_prefixes(model_cfg), to_export=False)
+    except UserError as error:
+        raise UserError(f"init_from={source}: {error}") from error
+    head = tuple(target.head_prefixes(model_cfg))
+    heads = head if skip_head else ()
+    state = {key: value for key, value in renamed.items() if not key.startswith(heads)}
+    shapes = {key: shape for key, shape in model_shapes(model, sharded).items() if not key.startswith(heads)}
+    for key, shape in shapes.items():
+        hint = "; init_skip_head=true leaves the classifier head out" if key.startswith(head) else ""
+        if key not in state:
+            raise UserError(f"init_from={source} does not fit this model: it has no {key}{hint}")
+        if state[key].shape != shape:
+            raise UserError(f"init_from={source} does not fit this model: {key} is {list(state[key].shape)} there and "
+                            f"{list(shape)} here{hint}")
+    extra = [key for key in state if key not in shapes]
+    if extra:
+        raise UserError(f"init_from={source} does not fit this model: it has {extra[0]}, which this model has not"
+                        f"{' (and ' + str(len(extra) - 1) + ' more)' if len(extra) > 1 else ''}")
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=not heads))
+    else:
+        model.load_state_dict(state, strict=not heads)
+    left_out = f", without the classifier head ({', '.join(heads)})" if heads else ""
+    return f"{description}{left_out}"

@@ -1,0 +1,196 @@
+"""Tiny finished runs of every recipe, trained in this process and shared by the tests of what
+comes after training (evaluate, export, init_from, early stopping).
+
+A run is trained the way ``python -m recipes.<r>.train`` trains it (the composed config, the
+recipe's own ``train``), minus the subprocess: Hydra's ``.hydra/config.yaml`` is written as Hydra
+writes it, so the run directory is what the tools read. Each run is made once per test session
+(:func:`shared_run`), whichever test module asks first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from common.entry import compose_config, training_process
+from common.evaluate import eval_file
+from common.evaluate import main as evaluate_main
+from tools.tiny_data import (
+    write_cifar100_tarball,
+    write_fashion_mnist,
+    write_fungitastic,
+    write_image_folder,
+    write_voc,
+)
+
+COMMON = ["logging.backend=none", "logging.progress_bar=false", "checkpoint.every_seconds=0"]
+TINY = {
+    "fashion_mnist": ["model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=16", *COMMON],
+    "cifar100_resnet50": ["model.name=test_resnet", "trainer.precision=fp32", "trainer.batch_size=8", *COMMON],
+    "timm_imagenet": ["model.name=test_resnet", "data.train_size=32", "data.eval_size=32", "trainer.batch_size=8",
+                      "trainer.precision=fp32", "trainer.num_workers=0", "checkpoint.async_save=false", *COMMON],
+    "fungitastic": ["model.name=test_vit", "model.pretrained=", "model.drop_path_rate=0", "data.image_size=32",
+                    "trainer.batch_size=4", "trainer.precision=fp32", "trainer.num_workers=0", "optim.lr=0.001",
+                    *COMMON],
+    "tv_segmentation": ["model.name=deeplabv3_mobilenet_v3_large", "data.base_size=40", "data.crop_size=40",
+                        "trainer.batch_size=2", "trainer.num_workers=0", "device=cpu", *COMMON],
+    "dinov2_fsdp": ["model.image_size=28", "trainer.batch_size=4", "trainer.global_batch_size=8",
+                    "stages.probe_epochs=1", "optim.lr=0.05", *COMMON],
+}
+_made: dict[str, Any] = {}  # name -> what shared_run made, for the whole session
+
+
+def shared_run(name: str, factory: pytest.TempPathFactory, make: Callable[[Path], Any]) -> Any:
+    """``make(<a fresh folder>)`` the first time ``name`` is asked for in this session; its result after."""
+    if name not in _made:
+        _made[name] = make(factory.mktemp(name))
+    return _made[name]
+
+
+def train_here(recipe: str, run_dir: Path, *overrides: str) -> dict[str, Any]:
+    """Train ``recipe`` with its tiny settings and ``overrides`` into ``run_dir``; its summary."""
+    cfg = compose_config(recipe, [f"run_dir={run_dir}", *TINY[recipe], *overrides])
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+    train = importlib.import_module(f"recipes.{recipe}.train")
+    group = train.process_group(cfg) if hasattr(train, "process_group") else {}
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        with training_process(cfg, **group) as dist_info:
+            train.train(cfg, dist_info)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)  # training_process set it for this whole process
+    return summary(run_dir)
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def evaluate_here(recipe: str, run: Path, *args: str, which: str = "latest", split: str | None = None) -> dict:
+    """``python -m recipes.<recipe>.evaluate RUN --which W [--split S] [args]`` in this process; the report."""
+    module = importlib.import_module(f"recipes.{recipe}.evaluate")
+    split = split or module.SPLITS[0]
+    train = importlib.import_module(f"recipes.{recipe}.train")
+    evaluate_main(recipe, module.SPLITS, module.evaluation, getattr(train, "process_group", None),
+                  argv=[str(run), "--which", which, "--split", split, *args])
+    return json.loads(eval_file(run, split, which).read_text())
+
+
+# ---- data, one of each per session ---------------------------------------------------------
+
+
+def fashion_data(factory: pytest.TempPathFactory) -> Path:
+    return shared_run("fashion_data", factory, write_fashion_mnist)
+
+
+def cifar_data(factory: pytest.TempPathFactory) -> Path:
+    """CIFAR-100's python version, extracted (what ``make prep-cifar100_resnet50`` leaves)."""
+
+    def make(root: Path) -> Path:
+        tarball = write_cifar100_tarball(root / "cifar-100-python.tar.gz", n_train=32, n_test=11)
+        with tarfile.open(tarball) as archive:
+            archive.extractall(root, filter="data")
+        return root
+
+    return shared_run("cifar_data", factory, make)
+
+
+def imagenet_data(factory: pytest.TempPathFactory) -> Path:
+    return shared_run("imagenet_data", factory, lambda root: write_image_folder(root, train_per_class=8,
+                                                                                 val_per_class=3))
+
+
+def voc_data(factory: pytest.TempPathFactory) -> Path:
+    return shared_run("voc_data", factory, lambda root: write_voc(root / "VOC2012", n_train=8, n_val=4))
+
+
+def fungi_data(factory: pytest.TempPathFactory) -> Path:
+    """A FungiTastic download prepared by the real prep code (minimal CSVs, 2 rows per species)."""
+    from data_prep.fungitastic import prepare
+
+    def make(root: Path) -> Path:
+        write_fungitastic(root / "download")
+        prepare(root / "data", root / "download", "300p", True, 2, False)
+        return root / "data"
+
+    return shared_run("fungi_data", factory, make)
+
+
+def dinov2_backbone(factory: pytest.TempPathFactory) -> Path:
+    """A tiny 'pretrained' DINOv2 in transformers' save_pretrained layout."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    def make(path: Path) -> Path:
+        torch.manual_seed(123)
+        Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2,
+                                 image_size=28, patch_size=14)).save_pretrained(path)
+        return path
+
+    return shared_run("dinov2_backbone", factory, make)
+
+
+# ---- finished runs -----------------------------------------------------------------------------
+
+
+def fashion_run(factory: pytest.TempPathFactory) -> Path:
+    """2 epochs, a checkpoint per epoch."""
+    data = fashion_data(factory)
+    return shared_run("fashion_run", factory,
+                      lambda base: _trained("fashion_mnist", base, f"data.root={data}", "trainer.epochs=2"))
+
+
+def cifar_run(factory: pytest.TempPathFactory) -> Path:
+    """2 epochs with an EMA of the weights."""
+    data = cifar_data(factory)
+    return shared_run("cifar_run", factory, lambda base: _trained(
+        "cifar100_resnet50", base, f"data.root={data}", "trainer.epochs=2", "ema.enabled=true", "ema.decay=0.9"))
+
+
+def timm_run(factory: pytest.TempPathFactory) -> Path:
+    """test_vit at 32 px (the backbone the fungitastic run uses) with an EMA, 1 epoch."""
+    data = imagenet_data(factory)
+    return shared_run("timm_run", factory, lambda base: _trained(
+        "timm_imagenet", base, f"data.root={data}", "model.name=test_vit", "+model.kwargs.img_size=32",
+        "trainer.epochs=1", "ema.enabled=true", "ema.decay=0.9"))
+
+
+def fungi_run(factory: pytest.TempPathFactory) -> Path:
+    data = fungi_data(factory)
+    return shared_run("fungi_run", factory,
+                      lambda base: _trained("fungitastic", base, f"data.root={data}", "trainer.epochs=1"))
+
+
+def segmentation_run(factory: pytest.TempPathFactory) -> Path:
+    data = voc_data(factory)
+    return shared_run("segmentation_run", factory,
+                      lambda base: _trained("tv_segmentation", base, f"data.root={data}", "trainer.epochs=1"))
+
+
+def _trained(recipe: str, base: Path, *overrides: str) -> Path:
+    train_here(recipe, base / "run", *overrides)
+    return base / "run"
+
+
+def dinov2_run(factory: pytest.TempPathFactory) -> Path:
+    """A real 2-rank torchrun (FSDP2, bf16 parameters): a probe epoch, then a fine-tune epoch; its
+    checkpoints are DCP shards written by 2 ranks."""
+    from tests.conftest import assert_ok, run_recipe
+
+    data, backbone = cifar_data(factory), dinov2_backbone(factory)
+
+    def make(base: Path) -> Path:
+        assert_ok(run_recipe("dinov2_fsdp", [f"run_dir={base / 'run'}", f"data.root={data}",
+                                             f"model.weights={backbone}", "trainer.epochs=2", *TINY["dinov2_fsdp"]],
+                             nproc=2))
+        return base / "run"
+
+    return shared_run("dinov2_run", factory, make)
