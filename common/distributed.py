@@ -127,11 +127,10 @@ def init_distributed(device_preference: str = "auto", timeout_s: int = 600, cpu_
     rank, world_size, local_rank, launcher = _launch_env()
     device = resolve_device(device_preference, local_rank, launcher)
     if (world_size > 1 or group_of_one) and not dist.is_initialized():
-        if world_size == 1:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(
+        alone = world_size == 1 and "MASTER_PORT" not in os.environ
+        dist.init_process_group(  # a group of one meets at a free local port, leaving the environment alone
             backend=process_group_backend(device, cpu_collectives),
+            init_method=f"tcp://127.0.0.1:{free_port()}" if alone else None,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),

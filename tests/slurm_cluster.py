@@ -232,9 +232,14 @@ def update_job(job_id: str, env: Mapping[str, str] | None = None, **fields: str)
     _run(["scontrol", "update", f"JobId={job_id}", *(f"{key}={value}" for key, value in fields.items())], env=env)
 
 
+# A distributed launch's variables in the test process (left by an in-process run) must not reach a
+# job: sbatch exports its environment, and a MASTER_PORT there overrides the job's own.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 def slurm_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """os.environ + the last started cluster's variables + ``env``."""
-    merged = dict(os.environ)
+    """os.environ without :data:`LAUNCH_VARIABLES` + the last started cluster's variables + ``env``."""
+    merged = {key: value for key, value in os.environ.items() if key not in LAUNCH_VARIABLES}
     merged["PATH"] = _SEARCH_PATH
     merged.update(_active_env)
     if env:

@@ -149,3 +149,20 @@ def test_two_gloo_ranks_reduce_exactly_and_agree_when_to_stop(tmp_path: Path, ma
         accuracy, stopped_at = (tmp_path / f"rank{rank}.txt").read_text().split()
         assert float(accuracy) == 0.25
         assert stopped_at == "4"
+
+
+def test_a_group_of_one_leaves_no_launch_variables_behind() -> None:
+    """An in-process group of one (FSDP2 on one device) must not leave MASTER_ADDR/MASTER_PORT in
+    the environment: every process started later (an sbatch that exports it) would inherit them."""
+    import subprocess
+    import sys
+
+    code = ("import os; from common.distributed import init_distributed; "
+            "init_distributed('cpu', group_of_one=True); "
+            "import torch.distributed as dist; assert dist.is_initialized(); "
+            "print(sorted(k for k in os.environ if k.startswith('MASTER_')))")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("MASTER_", "RANK", "WORLD_SIZE"))}
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
