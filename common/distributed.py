@@ -8,6 +8,7 @@ one node do not collide. With neither, the run is a single process and no group 
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
@@ -17,8 +18,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before any group exists: see shutdown_distributed)
 
 from common.errors import UserError
+
+_joined_a_group = False
 
 
 @dataclass(frozen=True)
@@ -124,9 +128,11 @@ def init_distributed(device_preference: str = "auto", timeout_s: int = 600, cpu_
     ``group_of_one`` makes a group for a single process too, so that code written for a group
     (FSDP2) runs on one GPU.
     """
+    global _joined_a_group
     rank, world_size, local_rank, launcher = _launch_env()
     device = resolve_device(device_preference, local_rank, launcher)
     if (world_size > 1 or group_of_one) and not dist.is_initialized():
+        _joined_a_group = True
         alone = world_size == 1 and "MASTER_PORT" not in os.environ
         dist.init_process_group(  # a group of one meets at a free local port, leaving the environment alone
             backend=process_group_backend(device, cpu_collectives),
@@ -139,6 +145,11 @@ def init_distributed(device_preference: str = "auto", timeout_s: int = 600, cpu_
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, launcher=launcher)
 
 
+def joined_a_group() -> bool:
+    """Whether :func:`init_distributed` made this process part of a process group."""
+    return _joined_a_group
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -146,8 +157,25 @@ def free_port() -> int:
 
 
 def shutdown_distributed() -> None:
+    """Destroy every process group and free it while the interpreter still runs.
+
+    A gloo group's worker threads live until the group is freed, and a worker frees the tensors
+    of the collective it last ran a moment after the caller has moved on. If the process reaches
+    interpreter shutdown first, that worker needs the GIL, Python 3.11 ends the thread with
+    ``pthread_exit``, and the unwinding through PyTorch's C++ aborts the process (``terminate
+    called without an active exception``, exit -6) after a run that finished. So nothing may
+    keep a group alive past this call: ``torch.distributed.nn`` is imported with this module,
+    before any group exists, because its functions take ``group=group.WORLD`` as a default
+    argument evaluated at import (``torch.optim`` imports it through ``torch._dynamo``, which
+    would pin the default group for the life of the process); and the garbage collector runs
+    here, so a group held only by dead objects (a DDP model) is freed now, its workers joined,
+    rather than during shutdown. PyTorch itself still holds a group FSDP2 used (DTensor's caches
+    keep its device mesh), which is why a recipe process that joined a group ends without
+    interpreter shutdown (:func:`common.entry.exit_process`).
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 def barrier() -> None:

@@ -18,13 +18,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -53,10 +54,36 @@ def record_exit_code(code: int) -> None:
         Path(folder, f"rank{os.environ.get('RANK', '0')}").write_text(str(code))
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     record_exit_code(EXIT_USER_ERROR)
     sys.exit(EXIT_USER_ERROR)
+
+
+def exit_code(stop: SystemExit) -> int:
+    """The exit code ``sys.exit`` would give for ``stop``."""
+    if stop.code is None:
+        return 0
+    return stop.code if isinstance(stop.code, int) else 1
+
+
+def exit_process(code: int) -> NoReturn:
+    """End an entry point's process with ``code`` once its work is saved and its files closed.
+
+    A process that joined a process group ends without Python's interpreter shutdown, as
+    ``multiprocessing`` ends the children it forks: PyTorch may still hold the group (DTensor's
+    caches keep FSDP2's device mesh and with it the group), and a gloo worker thread that frees a
+    tensor during that shutdown aborts the process after a run that finished (see
+    :func:`common.distributed.shutdown_distributed`). Everything the run writes is already written
+    and closed by then; the ``atexit`` handlers still run (logging's flush among them, while the
+    interpreter is whole) and the standard streams are flushed.
+    """
+    if not distributed.joined_a_group():
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def user_message(error: UserError) -> str:
@@ -177,11 +204,15 @@ def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[DictConfig], Any
             reported_here = os.environ.get("HYDRA_FULL_ERROR") != "1"  # a user who set it wants Hydra's trace
             os.environ["HYDRA_FULL_ERROR"] = "1"
             try:
-                hydra_task()
-            except CONFIG_ERRORS as error:
-                if not reported_here or getattr(error, "raised_by_recipe", False):
-                    raise
-                fail(config_error_line(error))
+                try:
+                    hydra_task()
+                except CONFIG_ERRORS as error:
+                    if not reported_here or getattr(error, "raised_by_recipe", False):
+                        raise
+                    fail(config_error_line(error))
+            except SystemExit as stop:
+                exit_process(exit_code(stop))
+            exit_process(0)
 
         return main
 

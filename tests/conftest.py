@@ -7,18 +7,42 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from cluster.processes import kill_tree
+from common import distributed
 from common.checkpoint import STATE_FILE, committed_checkpoints, latest_checkpoint
-from common.distributed import free_port  # noqa: F401  (tests import it from here)
+from common.distributed import free_port
+from common.entry import exit_process
 from tests import slurm_cluster as sc
 from tools.tiny_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]
 pytest.register_assert_rewrite("tests.resume")  # the shared resume check's asserts say what failed
+
+
+def _rank_process(rank: int, world_size: int, port: int, function: Callable[..., None], args: tuple) -> None:
+    """One rank of :func:`spawn_ranks`: its process group set up and torn down as a recipe's is."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    distributed.init_distributed("cpu")
+    try:
+        function(rank, *args)
+    finally:
+        distributed.shutdown_distributed()
+    exit_process(0)
+
+
+def spawn_ranks(function: Callable[..., None], *args: object, world_size: int = 2) -> None:
+    """Run ``function(rank, *args)`` in ``world_size`` fresh processes joined in a gloo group,
+    ending each as a recipe's process ends (``common.entry.exit_process``); fail if any fails.
+    Spawned, not forked: a child forked after earlier tests started torch's threads can deadlock."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_process, args=(world_size, free_port(), function, args), nprocs=world_size, join=True)
 
 
 def recipe_env(**extra: str) -> dict[str, str]:

@@ -394,34 +394,26 @@ def _init_mp_dtypes_before_torch_2_14(self) -> None:  # noqa: ANN001
     self._reduce_dtype = trainable[0].reduce_dtype if trainable else None
 
 
-def _stage_switch_worker(rank: int, port: int, probe_forward_first: bool, results: Path) -> None:
-    import os
-
-    import torch.distributed as dist
+def _stage_switch_worker(rank: int, probe_forward_first: bool, results: Path) -> None:
     import torch.nn.functional as F
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from transformers import Dinov2Model
 
     from recipes.dinov2_fsdp.model import DinoClassifier, refresh_mixed_precision, shard_with_fsdp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     FSDPParamGroup._init_mp_dtypes = _init_mp_dtypes_before_torch_2_14
-    try:
-        torch.manual_seed(0)
-        model = DinoClassifier(Dinov2Model(tiny_dinov2_config()), "transformers", "cls")
-        shard_with_fsdp(model, "bf16", reshard_after_forward=True, cpu_offload=False)
-        images, labels = torch.randn(4, 3, 28, 28), torch.randint(0, 100, (4,))
-        model.set_backbone_trainable(False)
-        if probe_forward_first:  # a probe step: FSDP sets its dtypes up with the backbone frozen
-            F.cross_entropy(model(images).float(), labels).backward()
-        model.set_backbone_trainable(True)
-        refresh_mixed_precision(model)
+    torch.manual_seed(0)
+    model = DinoClassifier(Dinov2Model(tiny_dinov2_config()), "transformers", "cls")
+    shard_with_fsdp(model, "bf16", reshard_after_forward=True, cpu_offload=False)
+    images, labels = torch.randn(4, 3, 28, 28), torch.randint(0, 100, (4,))
+    model.set_backbone_trainable(False)
+    if probe_forward_first:  # a probe step: FSDP sets its dtypes up with the backbone frozen
         F.cross_entropy(model(images).float(), labels).backward()
-        grads = {name: param.grad.dtype for name, param in model.named_parameters() if param.grad is not None}
-        (results / f"rank{rank}.txt").write_text(f"{len(grads)} {sorted(set(map(str, grads.values())))}")
-    finally:
-        dist.destroy_process_group()
+    model.set_backbone_trainable(True)
+    refresh_mixed_precision(model)
+    F.cross_entropy(model(images).float(), labels).backward()
+    grads = {name: param.grad.dtype for name, param in model.named_parameters() if param.grad is not None}
+    (results / f"rank{rank}.txt").write_text(f"{len(grads)} {sorted(set(map(str, grads.values())))}")
 
 
 @pytest.mark.parametrize("probe_forward_first", [True, False], ids=["after-probe-steps", "resumed-at-the-switch"])
@@ -429,13 +421,12 @@ def test_finetune_after_the_probe_does_not_depend_on_fsdp_dtype_fallbacks(tmp_pa
                                                                           probe_forward_first: bool) -> None:
     """With bf16 FSDP2 units first run while frozen, the fine-tune backward still gives every
     parameter an fp32 gradient under torch releases without 2.14's dtype fallback (emulated)."""
-    import torch.multiprocessing as mp
     from transformers import Dinov2Model
 
     from recipes.dinov2_fsdp.model import NEVER_TRAINED, DinoClassifier
-    from tests.conftest import free_port
+    from tests.conftest import spawn_ranks
 
-    mp.spawn(_stage_switch_worker, args=(free_port(), probe_forward_first, tmp_path), nprocs=2, join=True)
+    spawn_ranks(_stage_switch_worker, probe_forward_first, tmp_path)
     model = DinoClassifier(Dinov2Model(tiny_dinov2_config()), "transformers", "cls")
     trainable = sum(1 for name, _ in model.named_parameters() if name not in NEVER_TRAINED)
     for rank in range(2):

@@ -16,7 +16,7 @@ from common.errors import UserError
 from common.metrics import SumMetrics, ratio
 from common.optim import accumulation_steps, scaled_lr
 from common.run import CheckpointCadence, StopSignals
-from tests.conftest import free_port
+from tests.conftest import free_port, spawn_ranks
 
 
 def test_torchrun_variables_win(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,44 +107,39 @@ def test_accumulation_and_lr_scaling_rules() -> None:
     assert scaled_lr(0.1, 1024, 256, "none") == 0.1
 
 
-def _worker(rank: int, world_size: int, port: int, results: Path, main_backend: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _worker(rank: int, results: Path, main_backend: str) -> None:
     if main_backend == "nccl":  # what the cadence sees on GPUs: it must agree over a gloo group of its own
         dist.get_backend = lambda group=None: "nccl"
-    try:
-        # Rank 0 sees 1 sample, all correct; rank 1 sees 3, none correct. The exact accuracy is
-        # 1/4; an average of rank averages would say 1/2.
-        sums = SumMetrics(torch.device("cpu"))
-        if rank == 0:
-            sums.add(correct=torch.tensor([1]), count=1)
-        else:
-            sums.add(correct=torch.tensor([0, 0, 0]), count=3)
-        accuracy = ratio(sums.reduce(), "correct", "count")
+    # Rank 0 sees 1 sample, all correct; rank 1 sees 3, none correct. The exact accuracy is
+    # 1/4; an average of rank averages would say 1/2.
+    sums = SumMetrics(torch.device("cpu"))
+    if rank == 0:
+        sums.add(correct=torch.tensor([1]), count=1)
+    else:
+        sums.add(correct=torch.tensor([0, 0, 0]), count=3)
+    accuracy = ratio(sums.reduce(), "correct", "count")
 
-        # Only rank 1 receives the signal, during step 3; with checks every 2 steps both ranks
-        # must decide to save and stop at step 4, neither earlier.
-        flag = StopSignals()
-        cadence = CheckpointCadence(every_steps=0, every_seconds=0, sync_every_steps=2, stop_signals=flag)
-        assert (cadence.group is None) == (main_backend == "gloo")
-        stopped_at = None
-        for step in range(1, 9):
-            if rank == 1 and step == 3:
-                flag.signal_name = "SIGUSR1"
-            decision = cadence.after_step(step)
-            if decision.stop:
-                assert decision.save
-                stopped_at = step
-                break
-        flag.restore()
-        (results / f"rank{rank}.txt").write_text(f"{accuracy} {stopped_at}")
-    finally:
-        dist.destroy_process_group()
+    # Only rank 1 receives the signal, during step 3; with checks every 2 steps both ranks
+    # must decide to save and stop at step 4, neither earlier.
+    flag = StopSignals()
+    cadence = CheckpointCadence(every_steps=0, every_seconds=0, sync_every_steps=2, stop_signals=flag)
+    assert (cadence.group is None) == (main_backend == "gloo")
+    stopped_at = None
+    for step in range(1, 9):
+        if rank == 1 and step == 3:
+            flag.signal_name = "SIGUSR1"
+        decision = cadence.after_step(step)
+        if decision.stop:
+            assert decision.save
+            stopped_at = step
+            break
+    flag.restore()
+    (results / f"rank{rank}.txt").write_text(f"{accuracy} {stopped_at}")
 
 
 @pytest.mark.parametrize("main_backend", ["gloo", "nccl"])
 def test_two_gloo_ranks_reduce_exactly_and_agree_when_to_stop(tmp_path: Path, main_backend: str) -> None:
-    mp.spawn(_worker, args=(2, free_port(), tmp_path, main_backend), nprocs=2, join=True)
+    spawn_ranks(_worker, tmp_path, main_backend)
     for rank in range(2):
         accuracy, stopped_at = (tmp_path / f"rank{rank}.txt").read_text().split()
         assert float(accuracy) == 0.25
@@ -166,3 +161,40 @@ def test_a_group_of_one_leaves_no_launch_variables_behind() -> None:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def _gloo_worker_threads() -> list[str]:
+    """This process's gloo threads (c10d's and gloo's own names for them, Linux)."""
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        try:
+            names.append(comm.read_text().strip())
+        except OSError:  # a thread that ended while listing
+            continue
+    return [name for name in names if "gloo" in name]
+
+
+def _shutdown_worker(rank: int, port: int, results: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    distributed.init_distributed("cpu")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters())  # imports torch._dynamo, as every recipe's optimizer does
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    running = _gloo_worker_threads()
+    del model, optimizer
+    distributed.shutdown_distributed()
+    (results / f"rank{rank}.txt").write_text(f"{len(running)} {_gloo_worker_threads()}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
+def test_the_process_group_is_freed_at_shutdown_with_its_gloo_threads(tmp_path: Path) -> None:
+    """A gloo group alive at interpreter shutdown aborts the process at random ("terminate called
+    without an active exception"): a worker thread freeing its last collective's tensors needs the
+    GIL then. The recipes' shutdown must free the group, joining its threads, before that."""
+    mp.spawn(_shutdown_worker, args=(free_port(), tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        running, left = (tmp_path / f"rank{rank}.txt").read_text().split(" ", 1)
+        assert int(running) > 0, "no gloo thread ran: the test no longer sees what it checks"
+        assert left == "[]", f"rank {rank}: gloo threads still running after shutdown_distributed: {left}"

@@ -5,7 +5,6 @@ checkpoint write that runs out of disk space."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import subprocess
@@ -14,8 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from common.checkpoint import CheckpointManager, committed_checkpoints
 from common.distributed import DistInfo
@@ -26,7 +23,7 @@ from common.rng import rng_state, seed_everything, set_rng_state
 from common.run import CheckpointCadence, StopSignals, TrainingRun
 from common.sampler import ResumableDistributedSampler
 from common.steps import EpochTail, StepPlan
-from tests.conftest import assert_ok, free_port, read_summary, run_recipe
+from tests.conftest import assert_ok, read_summary, run_recipe, spawn_ranks
 
 
 class OnAccelerator(torch.Tensor):
@@ -79,34 +76,30 @@ def small_run(directory: Path, sums: SumMetrics, rank: int = 0, world_size: int 
                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler, train_sums=sums)
 
 
-def _sums_worker(rank: int, world_size: int, port: int, directory: Path) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        # Rank 0 has seen 1 sample (loss 1.0), rank 1 three (loss 6.0): the totals are 4 samples, 7.0.
-        sums = SumMetrics(torch.device("cpu"))
-        run = small_run(directory, sums, rank, world_size)
-        run.resume()
-        sums.add(loss=torch.tensor([1.0]) if rank == 0 else torch.tensor([1.0, 2.0, 3.0]), count=1 + 2 * rank)
-        totals = sums.reduce()
-        seed_everything(100 + rank)  # each rank's own random streams
-        run.save()
-        expected_draws = draws()
+def _sums_worker(rank: int, directory: Path) -> None:
+    world_size = 2
+    # Rank 0 has seen 1 sample (loss 1.0), rank 1 three (loss 6.0): the totals are 4 samples, 7.0.
+    sums = SumMetrics(torch.device("cpu"))
+    run = small_run(directory, sums, rank, world_size)
+    run.resume()
+    sums.add(loss=torch.tensor([1.0]) if rank == 0 else torch.tensor([1.0, 2.0, 3.0]), count=1 + 2 * rank)
+    totals = sums.reduce()
+    seed_everything(100 + rank)  # each rank's own random streams
+    run.save()
+    expected_draws = draws()
 
-        resumed = SumMetrics(torch.device("cpu"))
-        seed_everything(0)
-        small_run(directory, resumed, rank, world_size).resume()
-        (directory.parent / f"rank{rank}.json").write_text(json.dumps(
-            {"before": totals, "after": resumed.reduce(), "same draws": draws() == expected_draws}))
-    finally:
-        dist.destroy_process_group()
+    resumed = SumMetrics(torch.device("cpu"))
+    seed_everything(0)
+    small_run(directory, resumed, rank, world_size).resume()
+    (directory.parent / f"rank{rank}.json").write_text(json.dumps(
+        {"before": totals, "after": resumed.reduce(), "same draws": draws() == expected_draws}))
 
 
 def test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume(tmp_path: Path) -> None:
     """After a 2-rank resume each rank holds its own partial sums and its own RNG states again
     (not rank 0's twice); on one rank the totals of both are kept."""
     directory = tmp_path / "checkpoints"
-    mp.spawn(_sums_worker, args=(2, free_port(), directory), nprocs=2, join=True)
+    spawn_ranks(_sums_worker, directory)
     for rank in range(2):
         sums = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sums["before"] == sums["after"] == {"count": 4.0, "loss": 7.0}

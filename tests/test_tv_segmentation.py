@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from PIL import Image
 from torch import nn
@@ -44,7 +41,7 @@ from recipes.tv_segmentation.metrics import ConfusionMatrix, segmentation_scores
 from recipes.tv_segmentation.model import build_model
 from recipes.tv_segmentation.sync_batchnorm import AllReduceBatchNorm, convert_sync_batchnorm
 from recipes.tv_segmentation.train import evaluate
-from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe
+from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe, spawn_ranks
 from tests.resume import kill_signal_resume
 from tools.tiny_data import write_coco, write_voc
 
@@ -131,57 +128,45 @@ def test_coco_instances_become_voc_class_masks_and_train_drops_small_images(coco
 # ---------------------------------------------------------------------------- SyncBatchNorm
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _sync_batchnorm_rank(rank: int) -> None:
+    torch.manual_seed(0)
+    global_batch = torch.randn(4, 3, 5, 6) * 3 + 1
+    upstream = torch.randn(4, 3, 5, 6)  # d loss / d output
+    norm = nn.BatchNorm2d(3, momentum=0.1)
+    nn.init.normal_(norm.weight)
+    nn.init.normal_(norm.bias)
+    reference = copy.deepcopy(norm)
+    converted_model, converted = convert_sync_batchnorm(nn.Sequential(norm), torch.device("cpu"))
+    synced = converted_model[0]
+    assert converted == 1 and isinstance(synced, AllReduceBatchNorm)
 
+    full_input = global_batch.clone().requires_grad_()
+    (reference(full_input) * upstream).sum().backward()
+    shard = slice(2 * rank, 2 * rank + 2)
+    local_input = global_batch[shard].clone().requires_grad_()
+    output = synced(local_input)
+    (output * upstream[shard]).sum().backward()
 
-def _sync_batchnorm_rank(rank: int, world_size: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        torch.manual_seed(0)
-        global_batch = torch.randn(4, 3, 5, 6) * 3 + 1
-        upstream = torch.randn(4, 3, 5, 6)  # d loss / d output
-        norm = nn.BatchNorm2d(3, momentum=0.1)
-        nn.init.normal_(norm.weight)
-        nn.init.normal_(norm.bias)
-        reference = copy.deepcopy(norm)
-        converted_model, converted = convert_sync_batchnorm(nn.Sequential(norm), torch.device("cpu"))
-        synced = converted_model[0]
-        assert converted == 1 and isinstance(synced, AllReduceBatchNorm)
+    expected = nn.functional.batch_norm(global_batch, None, None, reference.weight, reference.bias, True)
+    torch.testing.assert_close(output.detach(), expected[shard].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(local_input.grad, full_input.grad[shard], rtol=1e-4, atol=1e-5)
+    for name in ("weight", "bias"):
+        summed = getattr(synced, name).grad.clone()
+        dist.all_reduce(summed)
+        torch.testing.assert_close(summed, getattr(reference, name).grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(synced.running_mean, reference.running_mean)
+    torch.testing.assert_close(synced.running_var, reference.running_var)
 
-        full_input = global_batch.clone().requires_grad_()
-        (reference(full_input) * upstream).sum().backward()
-        shard = slice(2 * rank, 2 * rank + 2)
-        local_input = global_batch[shard].clone().requires_grad_()
-        output = synced(local_input)
-        (output * upstream[shard]).sum().backward()
-
-        expected = nn.functional.batch_norm(global_batch, None, None, reference.weight, reference.bias, True)
-        torch.testing.assert_close(output.detach(), expected[shard].detach(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(local_input.grad, full_input.grad[shard], rtol=1e-4, atol=1e-5)
-        for name in ("weight", "bias"):
-            summed = getattr(synced, name).grad.clone()
-            dist.all_reduce(summed)
-            torch.testing.assert_close(summed, getattr(reference, name).grad, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(synced.running_mean, reference.running_mean)
-        torch.testing.assert_close(synced.running_var, reference.running_var)
-
-        # The confusion matrix sums exactly over ranks: each rank counts half the pixels.
-        target = torch.tensor([0, 1, 1, 2, 255, 2])
-        prediction = torch.tensor([0, 1, 2, 2, 1, 0])
-        matrix = ConfusionMatrix(3, torch.device("cpu"))
-        matrix.update(target[3 * rank : 3 * rank + 3], prediction[3 * rank : 3 * rank + 3])
-        assert matrix.reduce().tolist() == [[1, 0, 0], [0, 1, 1], [1, 0, 1]]
-    finally:
-        dist.destroy_process_group()
+    # The confusion matrix sums exactly over ranks: each rank counts half the pixels.
+    target = torch.tensor([0, 1, 1, 2, 255, 2])
+    prediction = torch.tensor([0, 1, 2, 2, 1, 0])
+    matrix = ConfusionMatrix(3, torch.device("cpu"))
+    matrix.update(target[3 * rank : 3 * rank + 3], prediction[3 * rank : 3 * rank + 3])
+    assert matrix.reduce().tolist() == [[1, 0, 0], [0, 1, 1], [1, 0, 1]]
 
 
 def test_sync_batchnorm_on_two_gloo_ranks_equals_batchnorm_on_the_global_batch() -> None:
-    # spawn, not fork: a child forked after earlier tests started torch's OpenMP threads deadlocks
-    mp.spawn(_sync_batchnorm_rank, args=(2, _free_port()), nprocs=2, join=True)
+    spawn_ranks(_sync_batchnorm_rank)
 
 
 # ------------------------------------------------------------------------------- evaluation
