@@ -19,7 +19,7 @@ WHICH ?=
 SPLIT ?=
 DEVICE ?= cuda
 
-.PHONY: help setup lint test mutation-check bench gpu-check compare export new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test stress-exit mutation-check bench gpu-check compare export new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path] [RUN=run dir]"
@@ -70,6 +70,9 @@ lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
 
 test: lint ## Lint, then run the test suite (CPU, offline)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+stress-exit: $(STAMP) ## Launch two kinds of 2-rank run TIMES times each (default 30): none may abort at exit (not in make test)
+	$(PY) -m tests.stress_exit --runs "$(or $(TIMES),30)"
 
 mutation-check: $(STAMP) ## Break the code on purpose and check the tests notice: [ONLY="ids"] (python -m tools.mutation_check --list)
 	$(PY) -m tools.mutation_check $(if $(ONLY),--only $(ONLY)) $(ARGS)

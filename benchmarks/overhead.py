@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 from benchmarks.results import Result
 from common.determinism import configure_determinism
 from common.distributed import init_distributed
+from common.divergence import NonfiniteWatch
 from common.entry import compose_config
 from common.loggers import RunLogger
 from common.metrics import SumMetrics
@@ -79,13 +80,13 @@ class BareLoop:
         self.next_batch += count
 
 
-def probed_after_step(on_step: Callable[[int], None]) -> Callable[[CheckpointCadence, int], Decision]:
+def probed_after_step(on_step: Callable[[int], None]) -> Callable[..., Decision]:
     """The run contract's cadence check with a probe that runs first, at every step's end."""
     after_step = CheckpointCadence.after_step
 
-    def probed(cadence: CheckpointCadence, step: int) -> Decision:
+    def probed(cadence: CheckpointCadence, step: int, nonfinite: Callable[[], int]) -> Decision:
         on_step(step)
-        return after_step(cadence, step)
+        return after_step(cadence, step, nonfinite)
 
     return probed
 
@@ -148,6 +149,7 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int, l
     loss = F.cross_entropy(logits, labels)
     sampler = ResumableDistributedSampler(10**9)
     sums = SumMetrics(device)
+    watch = NonfiniteWatch(device)
     stop_signals = StopSignals()
     cadence = CheckpointCadence(0, 1e9, 10, stop_signals)
     logger = RunLogger("none", log_dir, True, "bench", progress_bar=False)
@@ -162,7 +164,8 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int, l
         if step % SEGMENT == 0:
             logger.log({name: value / batch_size for name, value in sums.reduce().items()}, step)
             sums.reset()
-        cadence.after_step(step)
+        watch.observe(step, sums.running("loss"))
+        cadence.after_step(step, watch.poll)
     synchronize(device)
     elapsed = time.perf_counter() - start
     stop_signals.restore()

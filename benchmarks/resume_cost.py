@@ -43,7 +43,7 @@ import recipes.{recipe}.train as recipe
 exit_after, steps_seen = int(sys.argv[1]), 0
 
 class FirstStepProbe(CheckpointCadence):
-    def after_step(self, step):
+    def after_step(self, step, nonfinite):
         global steps_seen
         steps_seen += 1
         if steps_seen == 1:
@@ -52,7 +52,7 @@ class FirstStepProbe(CheckpointCadence):
             print(f"FIRST_STEP_DONE {{time.time()!r}}", flush=True)
         if steps_seen >= exit_after:
             os._exit(0)
-        return super().after_step(step)
+        return super().after_step(step, nonfinite)
 
 common.run.CheckpointCadence = FirstStepProbe
 sys.argv = [recipe.__file__, *sys.argv[2:]]

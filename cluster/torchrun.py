@@ -11,8 +11,9 @@ it reports when the workers end:
   traceback, and exit 1);
 * when every worker on this node stopped after its checkpoint (SIGTERM or SIGUSR1, sent to this
   process, which forwards it, or to the workers themselves), the exit code is 75, as for a single
-  process; when every worker that ended ended on a user error, it is 2. torchrun exits 1 in both
-  cases. Each worker records its exit code in the folder named by :data:`common.entry.EXIT_CODE_DIR`;
+  process; when every worker that ended ended on a user error, it is 2, and when they stopped
+  because training diverged (``trainer.nonfinite``), 3. torchrun exits 1 in all these cases.
+  Each worker records its exit code in the folder named by :data:`common.entry.EXIT_CODE_DIR`;
 * SIGUSR1 (SLURM's usual warning signal) is forwarded to the workers like SIGTERM, and workers
   get 120 s to write their checkpoint before torchrun kills them (its default is 30 s). Both can
   be set as for torchrun (``--signals-to-handle``, ``--shutdown-timeout`` or their environment
@@ -34,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
 from common.entry import EXIT_CODE_DIR, compose_config, fail
-from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from common.errors import EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_TIMEOUT_S = "120"
@@ -78,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"torchrun: all {workers} worker(s) checkpointed and stopped; exiting with code "
                       f"{EXIT_PREEMPTED} (run again to resume)", flush=True)
                 sys.exit(EXIT_PREEMPTED)
-            if codes and set(codes) == {EXIT_USER_ERROR} and isinstance(error, ChildFailedError):
-                sys.exit(EXIT_USER_ERROR)  # each worker printed its one line
+            if codes and set(codes) in ({EXIT_USER_ERROR}, {EXIT_DIVERGED}) and isinstance(error, ChildFailedError):
+                sys.exit(codes[0])  # the workers printed their line
             raise
 
 

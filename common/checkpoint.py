@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
@@ -57,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common import distributed
+from common import distributed, jsonfiles
 from common.errors import UserError
 
 NAME = "AtomicDirectory"  # cycling_utils' default saver name, so ISC tools and AtomicDirectory readers agree
@@ -151,13 +152,24 @@ def latest_checkpoint(directory: str | Path) -> CheckpointDir | None:
     return next((found_dir for found_dir in committed_checkpoints(directory) if found_dir.path.name == target), None)
 
 
+def improves(value: float | None, best: float | None, mode: str) -> bool:
+    """Whether ``value`` of the watched metric beats ``best`` (None: no value yet) in ``mode``
+    (``max`` or ``min``). A value that is missing or not finite (NaN from a diverged evaluation)
+    never does. The one rule for the best checkpoint (its ``_force`` directory and retention),
+    early stopping and ``summary.json``'s best checkpoint."""
+    if value is None or not math.isfinite(value):
+        return False
+    return best is None or (value > best if mode == "max" else value < best)
+
+
 def best_checkpoint(checkpoints: list[CheckpointDir], metric: str | None, mode: str) -> CheckpointDir | None:
-    """The first checkpoint with the best value of ``metric`` (``mode`` max or min)."""
-    scored = [found_dir for found_dir in checkpoints if metric is not None and metric in found_dir.metrics]
-    if not scored:
-        return None
-    pick = max if mode == "max" else min
-    return pick(scored, key=lambda found_dir: found_dir.metrics[metric])
+    """The first checkpoint with the best value of ``metric`` (``mode`` max or min), by :func:`improves`."""
+    best, best_value = None, None
+    for found_dir in checkpoints:
+        value = found_dir.metrics.get(metric) if metric is not None else None
+        if improves(value, best_value, mode):
+            best, best_value = found_dir, value
+    return best
 
 
 def is_artifact_path(directory: str | Path) -> bool:
@@ -517,11 +529,8 @@ class CheckpointManager:
 
     def _is_new_best(self, metrics: dict[str, float]) -> bool:
         """Whether ``metrics`` beat every earlier checkpoint's (then it is the new best)."""
-        if not self.keep_best or self.best_metric not in metrics:
-            return False
-        value = metrics[self.best_metric]
-        if self._best_value is not None and not (value > self._best_value if self.best_mode == "max"
-                                                 else value < self._best_value):
+        value = metrics.get(self.best_metric)
+        if not self.keep_best or not improves(value, self._best_value, self.best_mode):
             return False
         self._best_value = value
         return True
@@ -552,7 +561,7 @@ class CheckpointManager:
                 files[str(path.relative_to(tmp))] = {"sha256": _file_digest(path), "size": path.stat().st_size}
             _fsync_dir(sharded)
         with open(tmp / MANIFEST_FILE, "w") as handle:
-            json.dump({**manifest, "files": files}, handle, indent=1, sort_keys=True)
+            handle.write(jsonfiles.dumps({**manifest, "files": files}, indent=1, sort_keys=True))
             handle.flush()
             os.fsync(handle.fileno())
         _fsync_dir(tmp)

@@ -46,6 +46,13 @@ class Decode(str, Enum):
     gpu = "gpu"  # workers read the files' bytes; the training device decodes (nvjpeg) and crops each batch
 
 
+class Nonfinite(str, Enum):
+    """What a run does when its training loss or gradient norm stops being finite (``common/run.py``)."""
+
+    stop = "stop"  # every rank stops, exit code 3; the last finite checkpoint stays the latest
+    rollback = "rollback"  # back to the last finite checkpoint, skipping the batches up to the bad step
+
+
 @dataclass
 class TrainerConfig:
     epochs: int = 10
@@ -67,6 +74,9 @@ class TrainerConfig:
     deterministic: bool = False
     channels_last: bool = False
     num_workers: int = -1  # DataLoader workers per rank; -1: the CPU cores this rank gets (common.data)
+    nonfinite: Nonfinite = Nonfinite.stop
+    rollback_lr_factor: float = 1.0  # rollback: the LR (and its schedule) is multiplied by this at each rollback
+    max_rollbacks: int = 3  # rollback: after this many, a non-finite step stops the run as with stop
 
 
 @dataclass

@@ -82,6 +82,11 @@ def _launch_env() -> tuple[int, int, int, str]:
     return 0, 1, 0, "single"
 
 
+def launch_rank() -> int:
+    """This process's rank as its launcher set it (0 for a single process)."""
+    return _launch_env()[0]
+
+
 def wants_cuda(preference: str) -> bool:
     """Whether ``device=preference`` will train on CUDA (answered without starting CUDA)."""
     return preference == "cuda" or (preference == "auto" and torch.cuda.is_available())

@@ -39,9 +39,11 @@ from common import distributed
 from common.config import RunConfig
 from common.determinism import configure_determinism
 from common.distributed import DistInfo
-from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, Preempted, UserError
+from common.errors import EXIT_USER_ERROR, Preempted, RunStopped, UserError
+from common.run_lock import RunLockHeld, run_locks
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONFIG_FOLDER = ".hydra"  # in the run directory: the config a run used (common/trained.py reads it)
 CONFIG_ERRORS = (HydraException, OmegaConfBaseException, ValueError)  # ValueError: a value no schema type takes
 EXIT_CODE_DIR = "RECIPES_EXIT_CODE_DIR"
 """Set by ``cluster/torchrun.py``: the folder where each worker records why it stopped (a file per rank)."""
@@ -58,6 +60,26 @@ def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     record_exit_code(EXIT_USER_ERROR)
     sys.exit(EXIT_USER_ERROR)
+
+
+def report_stop(stop: RunStopped) -> None:
+    """Print ``stop``'s line (on rank 0 alone when the ranks agreed on it) and record its exit code
+    for the launcher; once."""
+    if getattr(stop, "reported", False):
+        return
+    if not stop.agreed or distributed.launch_rank() == 0:
+        if isinstance(stop, Preempted):
+            print(f"{stop}; exiting with code {stop.exit_code} (run again to resume)", flush=True)
+        else:
+            print(f"error: {user_message(stop)}", file=sys.stderr, flush=True)
+    record_exit_code(stop.exit_code)
+    stop.reported = True
+
+
+def stop_run(stop: RunStopped) -> NoReturn:
+    """Report ``stop`` (:func:`report_stop`) and exit with its code."""
+    report_stop(stop)
+    sys.exit(stop.exit_code)
 
 
 def exit_code(stop: SystemExit) -> int:
@@ -86,7 +108,7 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def user_message(error: UserError) -> str:
+def user_message(error: Exception) -> str:
     """The error's message. A DataLoader re-raises a worker's error with the worker's traceback
     in its message; the original message is then the last line, which is what the user needs."""
     text = str(error).strip()
@@ -162,9 +184,9 @@ def _print_job_config_resolved() -> None:
 
 
 @contextlib.contextmanager
-def training_process(cfg: DictConfig, **process_group: Any) -> Iterator[DistInfo]:
-    """This process set up to train ``cfg``: PyTorch's determinism and speed switches (before CUDA
-    starts), then its device and process group (``common.distributed.init_distributed``, which
+def distributed_process(cfg: DictConfig, **process_group: Any) -> Iterator[DistInfo]:
+    """This process set up to run ``cfg``'s model: PyTorch's determinism and speed switches (before
+    CUDA starts), then its device and process group (``common.distributed.init_distributed``, which
     ``process_group``'s options go to); the group is destroyed at the end."""
     configure_determinism(cfg.trainer.deterministic, cfg.device)
     dist_info = distributed.init_distributed(cfg.device, **process_group)
@@ -172,6 +194,47 @@ def training_process(cfg: DictConfig, **process_group: Any) -> Iterator[DistInfo
         yield dist_info
     finally:
         distributed.shutdown_distributed()
+
+
+@contextlib.contextmanager
+def training_process(cfg: DictConfig, **process_group: Any) -> Iterator[DistInfo]:
+    """A :func:`distributed_process` that trains into ``cfg.run_dir``: rank 0 holds the run's lock
+    (``common/run_lock.py``) for the job's ranks before anything reads a checkpoint, then records
+    the config in ``.hydra/``. A run held by another launch is a one-line error on every rank,
+    printed once, and nothing is written. A stop every rank agreed on (a refused lock, a divergence)
+    is reported before any rank exits: a launcher that sees one rank end stops the others."""
+    with distributed_process(cfg, **process_group) as dist_info:
+        refusal = None
+        try:
+            with contextlib.ExitStack() as held:
+                if dist_info.is_main:
+                    try:
+                        held.enter_context(run_locks([cfg.run_dir, cfg.checkpoint.dir], log=print))
+                    except RunLockHeld as error:
+                        refusal = str(error)
+                refusal = distributed.broadcast_object(refusal)
+                if refusal is not None:
+                    raise UserError(refusal, agreed=True)
+                if dist_info.is_main:
+                    record_config(cfg)
+                yield dist_info
+        except RunStopped as stop:
+            if stop.agreed:
+                report_stop(stop)
+                distributed.barrier()
+            raise
+
+
+def record_config(cfg: DictConfig) -> None:
+    """``.hydra/config.yaml`` (and ``overrides.yaml`` when Hydra composed ``cfg``) in the run
+    directory, as Hydra writes them; written here, once the run's lock is held, so that a launch
+    refused by the lock leaves the running one's files alone (``conf/run_layout.yaml`` turns
+    Hydra's own copy off)."""
+    folder = Path(cfg.run_dir) / CONFIG_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, folder / "config.yaml")
+    if HydraConfig.initialized():
+        OmegaConf.save(OmegaConf.create(list(HydraConfig.get().overrides.task)), folder / "overrides.yaml")
 
 
 def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[DictConfig], Any]], Callable[[], None]]:
@@ -188,12 +251,8 @@ def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[DictConfig], Any
             try:
                 check_resolves(cfg)
                 return task(cfg)
-            except UserError as error:
-                fail(user_message(error))
-            except Preempted as stop:
-                print(f"{stop}; exiting with code {EXIT_PREEMPTED} (run again to resume)", flush=True)
-                record_exit_code(EXIT_PREEMPTED)
-                sys.exit(EXIT_PREEMPTED)
+            except RunStopped as stop:
+                stop_run(stop)
             except CONFIG_ERRORS as error:  # a bug in the recipe, not a bad override: keep its traceback
                 error.raised_by_recipe = True
                 raise

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,8 +25,9 @@ from typing import Any
 import torch
 
 from common.distributed import DistInfo
-from common.entry import fail, training_process, user_message
+from common.entry import distributed_process, fail, user_message
 from common.errors import UserError
+from common.jsonfiles import write_json
 from common.trained import LATEST, TrainedRun, load_model, open_run, read_state
 
 
@@ -78,7 +77,7 @@ def main(recipe: str, splits: tuple[str, ...], build: Callable[[Any, DistInfo, s
     """The entry point of ``recipes/<recipe>/evaluate.py``: ``splits`` are the ones its data has
     (the first is the default), ``build(cfg, dist_info, split)`` makes its :class:`Evaluation`;
     ``process_group(cfg)``: the process-group options its training uses
-    (:func:`common.entry.training_process`)."""
+    (:func:`common.entry.distributed_process`)."""
     args = parse_args(recipe, splits, sys.argv[1:] if argv is None else argv)
     try:
         if args.split not in splits:
@@ -86,15 +85,11 @@ def main(recipe: str, splits: tuple[str, ...], build: Callable[[Any, DistInfo, s
         run = open_run(args.run, args.which, args.overrides)
         if run.recipe != recipe:
             raise UserError(f"{args.run} is a {run.recipe} run: use make eval-{run.recipe}")
-        with training_process(run.cfg, **(process_group(run.cfg) if process_group else {})) as dist_info:
+        with distributed_process(run.cfg, **(process_group(run.cfg) if process_group else {})) as dist_info:
             report = evaluate_run(run, args.split, build, dist_info)
             if dist_info.is_main:
-                path = eval_file(run.run_dir, args.split, run.which)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-                os.replace(tmp, path)
-                print(json.dumps(report, indent=2, sort_keys=True))
+                path = write_json(eval_file(run.run_dir, args.split, run.which), report)
+                print(path.read_text(), end="")
                 print(f"written to {path}", flush=True)
     except UserError as error:
         fail(user_message(error))

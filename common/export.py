@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from common import jsonfiles
 from common.checkpoint import MANIFEST_FILE
 from common.entry import CONFIG_ERRORS, config_error_line, fail, recipe_schema, user_message
 from common.errors import UserError
@@ -171,7 +172,7 @@ def export_run(run: TrainedRun, out: Path) -> Path:
         save_file(_safetensors_ready(state), str(tmp / file), metadata=header)
     if hasattr(recipe, "write_extras"):
         recipe.write_extras(run.cfg, tmp, metadata)
-    (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    (tmp / METADATA_FILE).write_text(jsonfiles.dumps(metadata, indent=2) + "\n")
     _readable_as_umask_allows(tmp)
     model, _ = load_export(tmp)  # the export rebuilds the model by itself, with exactly these weights
     if state_digest(model.state_dict()) != metadata["source"]["weights_digest"]:

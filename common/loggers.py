@@ -24,6 +24,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from common import jsonfiles
+
 METRICS_FILE = "metrics.jsonl"
 BACKENDS = ("tensorboard", "wandb", "none")
 
@@ -53,12 +55,12 @@ class MetricsFile:
         if path.is_file():
             kept = [record for record in read_metrics_file(path) if record["step"] <= resume_step]
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
+            tmp.write_text("".join(jsonfiles.dumps(record) + "\n" for record in kept))
             os.replace(tmp, path)
         self._handle = open(path, "a")
 
     def write(self, metrics: Mapping[str, float], step: int) -> None:
-        self._handle.write(json.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n")
+        self._handle.write(jsonfiles.dumps({"step": step, "time": round(time.time(), 3), **metrics}) + "\n")
         self._handle.flush()
 
     def close(self) -> None:

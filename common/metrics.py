@@ -38,6 +38,11 @@ class SumMetrics:
             else:
                 self._sums[name] = value.clone()
 
+    def running(self, name: str) -> torch.Tensor | None:
+        """The running sum ``name`` of the tensors added so far, on the device (no host sync);
+        None when none was added."""
+        return self._sums.get(name)
+
     def _totals(self, names: list[str]) -> torch.Tensor:
         """The sums of ``names`` as one tensor on the device (this rank only)."""
         counts = torch.tensor([float(self._counts.get(name, 0)) for name in names], dtype=self._dtype)

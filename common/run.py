@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -59,9 +60,17 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from common import distributed
-from common.checkpoint import KEEP_ALL, CheckpointManager, LoadedCheckpoint, is_artifact_path
+from common.checkpoint import (
+    KEEP_ALL,
+    CheckpointManager,
+    LoadedCheckpoint,
+    improves,
+    is_artifact_path,
+    latest_checkpoint,
+)
 from common.distributed import DistInfo
-from common.errors import Preempted, UserError
+from common.divergence import NONE, NonfiniteWatch, all_finite, scale_learning_rate
+from common.errors import EXIT_DIVERGED, Diverged, Preempted, UserError
 from common.loggers import RunLogger
 from common.metrics import SumMetrics
 from common.rng import rng_state, set_rng_state
@@ -89,6 +98,7 @@ class Progress:
     evals_without_improvement: int = 0
     stopped_early: bool = False
     init_from: str = ""  # the weights the run started from (init_from=), kept when it resumes: for the summary
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)  # trainer.nonfinite=rollback: one record each
 
     def describe(self) -> str:
         """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""
@@ -146,6 +156,8 @@ def host_group() -> dist.ProcessGroup | None:
 class Decision:
     save: bool
     stop: bool
+    nonfinite_step: int = NONE  # the first step some rank knows to be non-finite (NONE: none)
+    nonfinite_ranks: tuple[int, ...] = ()
 
 
 class CheckpointCadence:
@@ -175,17 +187,24 @@ class CheckpointCadence:
     def saved(self) -> None:
         self.last_save = time.monotonic()
 
-    def after_step(self, step: int) -> Decision:
+    def after_step(self, step: int, nonfinite: Callable[[], int]) -> Decision:
+        """``nonfinite()``: the first non-finite step this rank knows of (NONE: none), read only
+        where the ranks agree (a :meth:`common.divergence.NonfiniteWatch.poll`)."""
         by_steps = self.every_steps > 0 and step % self.every_steps == 0
         if step % self.sync_every_steps != 0:
             return Decision(save=by_steps, stop=False)
         due = self.every_seconds > 0 and time.monotonic() - self.last_save >= self.every_seconds
         stop = self.stop_signals.raised
+        rows = [[float(due), float(stop), float(nonfinite())]]
         if self.distributed:
-            flags = torch.tensor([float(due), float(stop)])
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-            due, stop = (value > 0 for value in flags.tolist())
-        return Decision(save=by_steps or due or stop, stop=stop)
+            mine = torch.tensor(rows[0], dtype=torch.float64)
+            gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, mine, group=self.group)
+            rows = [row.tolist() for row in gathered]
+        due, stop = any(row[0] > 0 for row in rows), any(row[1] > 0 for row in rows)
+        bad = {rank: int(row[2]) for rank, row in enumerate(rows) if row[2] != NONE}
+        return Decision(save=by_steps or due or stop, stop=stop, nonfinite_step=min(bad.values(), default=NONE),
+                        nonfinite_ranks=tuple(sorted(bad)))
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -242,6 +261,9 @@ class TrainingRun:
         init_from: str = "",
         init_skip_head: bool = False,
         early_stopping_patience: int = 0,
+        nonfinite: str = "stop",
+        rollback_lr_factor: float = 1.0,
+        max_rollbacks: int = 0,
     ) -> None:
         self.dist_info = dist_info
         self.plan = plan
@@ -266,6 +288,10 @@ class TrainingRun:
         self.init_from = init_from
         self.init_skip_head = init_skip_head
         self.early_stopping_patience = early_stopping_patience
+        self.nonfinite = nonfinite
+        self.rollback_lr_factor = rollback_lr_factor
+        self.max_rollbacks = max_rollbacks
+        self.watch = NonfiniteWatch(dist_info.device)
         self.progress = Progress()
         self.logger: RunLogger | None = None
         self.loaded: LoadedCheckpoint | None = None
@@ -298,7 +324,8 @@ class TrainingRun:
                    config=OmegaConf.to_container(cfg, resolve=False, enum_to_str=True), model_cfg=cfg.model,
                    init_from=cfg.init_from,
                    init_skip_head=cfg.init_skip_head, early_stopping_patience=cfg.trainer.early_stopping_patience,
-                   **objects)
+                   nonfinite=str(cfg.trainer.nonfinite.value), rollback_lr_factor=cfg.trainer.rollback_lr_factor,
+                   max_rollbacks=cfg.trainer.max_rollbacks, **objects)
 
     # ---- resume ---------------------------------------------------------------------------------
 
@@ -309,11 +336,7 @@ class TrainingRun:
         optimizer step would read them back to the host). Collective."""
         sharded_model = None
         if self.resume_from_checkpoint:
-            if self.sharded:
-                from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-                sharded_model = {"model": get_model_state_dict(self.model)}
-            self.loaded = self.checkpoints.load_latest(map_location="cpu", sharded_state=sharded_model)
+            self.loaded, sharded_model = self._load_latest()
         initialized = None
         if self.loaded is None:
             self.sampler.set_epoch(0)
@@ -337,7 +360,19 @@ class TrainingRun:
             self.console(f"initialized from {initialized}")
         self._clock = self._log_clock = time.monotonic()
         self.cadence.saved()  # the wall-clock interval starts now, as after a save
+        if self.nonfinite == "rollback" and self.loaded is None:
+            self.save()  # a rollback needs a finite checkpoint to go back to, from the first step on
         return self.progress
+
+    def _load_latest(self) -> tuple[LoadedCheckpoint | None, dict[str, Any] | None]:
+        """The newest valid checkpoint, loaded to the CPU, and the model's shards read from it
+        (sharded models; they are loaded into the model by :meth:`_restore`). Collective."""
+        sharded_model = None
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            sharded_model = {"model": get_model_state_dict(self.model)}
+        return self.checkpoints.load_latest(map_location="cpu", sharded_state=sharded_model), sharded_model
 
     def _initialize_from(self, source: str) -> str:
         """Load the weights of ``source`` into the model (and into extra state that is a copy of
@@ -433,7 +468,10 @@ class TrainingRun:
                     raise RuntimeError("the loop must call run.step_done() once after each optimizer step")
                 if progress.step >= plan.total:
                     return  # the finish saves the last step
-                decision = self.cadence.after_step(progress.step)
+                decision = self.cadence.after_step(progress.step, self.watch.poll)
+                if decision.nonfinite_step != NONE or decision.save:
+                    if not self._finite_or_handled():
+                        return  # rolled back: the caller's loop goes on from where the sampler now is
                 if decision.save:
                     self.save()
                 if decision.stop:
@@ -444,11 +482,16 @@ class TrainingRun:
             self._bar.close()
             self._bar = None
 
-    def step_done(self, samples: int) -> None:
+    def step_done(self, samples: int, grad_norm: torch.Tensor | None = None) -> None:
         """Count an optimizer step that used ``samples`` samples on each rank (the sampler's position
-        moves on by that many for every rank)."""
+        moves on by that many for every rank), and watch it for values that are not finite: the
+        training loss (the ``loss`` every recipe sums in ``train_sums``, each micro-batch's) and
+        ``grad_norm`` (where the step computes it). Under fp16 a non-finite gradient is the grad
+        scaler's to handle (it skips that step and lowers its scale), so it is not watched there."""
         self.sampler.advance(samples)
         self.progress.step += 1
+        scaler_skips = self.scaler is not None and self.scaler.is_enabled()
+        self.watch.observe(self.progress.step, self.train_sums.running("loss"), None if scaler_skips else grad_norm)
         self._samples_since_log += samples
         self._bar.update()
 
@@ -481,8 +524,9 @@ class TrainingRun:
         the next one starts; unless training is done then (the finish evaluates and saves), the
         checkpoint of the epoch's end is saved, with ``evaluate()``'s metrics every
         ``trainer.eval_every_epochs`` epochs. An evaluation that makes early stopping's patience run
-        out ends training instead (the finish then evaluates and saves)."""
-        if not self.plan.epoch_done():
+        out ends training instead (the finish then evaluates and saves). It first checks that training
+        is still finite, as before every save; a rollback leaves the epoch unfinished."""
+        if not self._finite_or_handled() or not self.plan.epoch_done():
             return
         self.progress.epoch += 1
         self.sampler.set_epoch(self.progress.epoch)
@@ -505,9 +549,7 @@ class TrainingRun:
             raise UserError(f"trainer.early_stopping_patience watches checkpoint.best_metric={name}, which the "
                             f"evaluation does not report; it reports {', '.join(sorted(metrics))}")
         value = metrics[name]
-        best = progress.best_value
-        improved = value == value and (best is None or (value > best if mode == "max" else value < best))
-        if improved:
+        if improves(value, progress.best_value, mode):
             progress.best_value, progress.evals_without_improvement = value, 0
         else:
             progress.evals_without_improvement += 1
@@ -517,6 +559,92 @@ class TrainingRun:
             self.console(f"early stopping: {name} has not improved on {best_text} for "
                          f"{progress.evals_without_improvement} evaluation(s); stopping after epoch {progress.epoch} "
                          f"(step {progress.step})")
+
+    # ---- non-finite training: stop, or roll back (trainer.nonfinite) ----------------------------
+
+    def _finite_or_handled(self) -> bool:
+        """Check exactly that training is finite so far on every rank: the watched values, and the
+        state a checkpoint would hold (an update can make the weights non-finite before any loss
+        shows it). Collective; it waits for the device, as the save it precedes does. True when
+        finite. Otherwise, with ``trainer.nonfinite=rollback`` and rollbacks left, go back to the
+        last finite checkpoint and return False; else stop the run (:class:`Diverged`)."""
+        seen = distributed.all_gather_object((self.watch.settle(), self._state_finite()))
+        watched = {rank: step for rank, (step, _) in enumerate(seen) if step != NONE}
+        if watched:  # where a loss or gradient went non-finite first, not the weights that followed
+            nonfinite_step = min(watched.values())
+            ranks = sorted(rank for rank, step in watched.items() if step == nonfinite_step)
+        else:
+            nonfinite_step, ranks = self.progress.step, [rank for rank, (_, finite) in enumerate(seen) if not finite]
+        if not ranks:
+            return True
+        hosts = distributed.all_gather_object(socket.gethostname())
+        what = (f"the training was not finite at step {nonfinite_step} on "
+                + ", ".join(f"rank {rank} ({hosts[rank]})" for rank in ranks))
+        if self.nonfinite == "rollback" and len(self.progress.rollbacks) < self.max_rollbacks:
+            if self._roll_back(nonfinite_step, ranks, what):
+                return False
+        self._stop_diverged(nonfinite_step, ranks, [hosts[rank] for rank in ranks], what)
+
+    def _state_finite(self) -> bool:
+        states: list[Any] = [self.model.state_dict(), *(obj.state_dict() for obj in self.extra_state.values())]
+        if self.optimizer is not None:
+            states.append(list(self.optimizer.state.values()))
+        return all_finite(*states)
+
+    def _roll_back(self, nonfinite_step: int, ranks: list[int], what: str) -> bool:
+        """Back to the newest valid checkpoint (all of it: weights, optimizer, schedule, sampler,
+        RNGs), past the micro-batches of the steps up to ``nonfinite_step`` (a bit-exact
+        continuation would meet them again), with the LR times ``trainer.rollback_lr_factor``;
+        checkpointed at once, so a restart keeps all three. False when there is no checkpoint."""
+        detected_at, kept = self.progress.step, self.progress
+        seconds = kept.train_seconds + time.monotonic() - self._clock
+        self.checkpoints.wait()
+        loaded, sharded_model = self._load_latest()
+        if loaded is None:
+            return False
+        self.loaded = loaded
+        self._restore(loaded, sharded_model)
+        back_to = self.progress.step
+        self.plan.skip(nonfinite_step - back_to)
+        scale_learning_rate(self.optimizer, self.scheduler, self.rollback_lr_factor)
+        record = {"nonfinite_step": nonfinite_step, "ranks": ranks, "detected_at_step": detected_at,
+                  "back_to_step": back_to, "checkpoint": loaded.path.name, "skipped_steps": nonfinite_step - back_to,
+                  "lr_factor": self.rollback_lr_factor}
+        self.progress.rollbacks = [*kept.rollbacks, record]
+        self.progress.resumes, self.progress.train_seconds = kept.resumes, seconds
+        self._clock = time.monotonic()
+        self.watch.reset()
+        self.console(f"rollback {len(self.progress.rollbacks)} of at most {self.max_rollbacks}: {what}; back to step "
+                     f"{back_to} ({loaded.path.name}), skipping the batches of steps {back_to + 1}-{nonfinite_step}"
+                     + (f", lr x{self.rollback_lr_factor:g}" if self.rollback_lr_factor != 1.0 else ""))
+        self.save()
+        return True
+
+    def _stop_diverged(self, nonfinite_step: int, ranks: list[int], hosts: list[str], what: str) -> None:
+        """Stop every rank: the newest checkpoint (never a non-finite one) stays the latest, the
+        summary says where the run diverged, and the run ends with :data:`~common.errors.EXIT_DIVERGED`."""
+        self.progress.train_seconds += time.monotonic() - self._clock
+        self.checkpoints.wait()
+        last = distributed.broadcast_object(latest_checkpoint(self.checkpoints.directory)
+                                            if self.dist_info.is_main else None)
+        if last is None:
+            kept = "no checkpoint was written before it"
+        else:
+            kept = f"the last finite checkpoint, {last.path} (step {last.step}), stays the latest"
+        rollbacks = self.progress.rollbacks
+        after = f" after {len(rollbacks)} rollback(s)" if rollbacks else ""
+        message = (f"the run diverged{after}: {what}; {kept}. Lower optim.lr"
+                   + ("" if self.nonfinite == "rollback" else " or let it roll back (trainer.nonfinite=rollback)")
+                   + f"; exiting with code {EXIT_DIVERGED}")
+        if self.dist_info.is_main:
+            diverged = {"step": nonfinite_step, "ranks": ranks, "hosts": hosts,
+                        "checkpoint": last.path.name if last is not None else None}
+            write_summary(self.run_dir, recipe=self.recipe, metrics=last.metrics if last is not None else {},
+                          progress=self.progress, world_size=self.dist_info.world_size, model_digest=None,
+                          diverged=diverged, **({"rollbacks": rollbacks} if rollbacks else {}))
+        self.logger.close()
+        self.cadence.close()
+        raise Diverged(message, agreed=True)
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
@@ -581,6 +709,8 @@ class TrainingRun:
                 summary[f"{name}_digest"] = state_digest(obj.state_dict())
             if self.progress.init_from:
                 summary["init_from"] = self.progress.init_from
+            if self.progress.rollbacks:
+                summary["rollbacks"] = self.progress.rollbacks
             if self.early_stopping_patience > 0:
                 summary["early_stopping"] = self._early_stopping_summary()
             path = write_summary(self.run_dir, recipe=self.recipe, metrics=metrics, progress=self.progress,

@@ -10,6 +10,7 @@ follow the steps an epoch has, the steps left after a resume, and when an epoch 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator
 from enum import Enum
@@ -108,16 +109,27 @@ class StepPlan:
     def epoch_done(self) -> bool:
         return self.steps_left() == 0
 
-    def groups(self, micro_batches: Iterable[Any]) -> Iterator[MicroBatches]:
-        """The steps left in the epoch, each the :class:`MicroBatches` of one step, from
-        ``micro_batches``: the rest of the epoch as index tensors or a DataLoader."""
-        source = iter(micro_batches)
+    def _steps_left(self) -> Iterator[tuple[int, int]]:
+        """``(micro-batches, samples on this rank)`` of each step left in the sampler's epoch."""
         samples_left = len(self.sampler)
         for _ in range(self.steps_left()):
             count = min(self.accumulate, self.micro_batches_in(samples_left))
             samples = min(count * self.micro_batch, samples_left)
+            yield count, samples
+            samples_left -= samples
+
+    def groups(self, micro_batches: Iterable[Any]) -> Iterator[MicroBatches]:
+        """The steps left in the epoch, each the :class:`MicroBatches` of one step, from
+        ``micro_batches``: the rest of the epoch as index tensors or a DataLoader."""
+        source = iter(micro_batches)
+        for count, samples in self._steps_left():
             group = MicroBatches(source, count, samples)
             yield group
             if group.taken != count:
                 raise RuntimeError(f"a step used {group.taken} of its {count} micro-batches; iterate over all of them")
-            samples_left -= samples
+
+    def skip(self, steps: int) -> None:
+        """Move the sampler past the micro-batches of the next ``steps`` steps of its epoch (at most
+        the rest of it) without training on them: a rollback's window of bad batches."""
+        skipped = [samples for _, samples in itertools.islice(self._steps_left(), max(0, steps))]
+        self.sampler.advance(sum(skipped))

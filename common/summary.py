@@ -8,14 +8,13 @@ give the same digest, whether or not one of them was interrupted and resumed.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from common.checkpoint import LATEST
+from common.jsonfiles import write_json
 
 SUMMARY_FILE = "summary.json"
 
@@ -47,7 +46,6 @@ def write_summary(
     """Write ``run_dir/summary.json`` atomically and return its path. ``progress`` is the run's
     :class:`common.run.Progress`."""
     path = Path(run_dir) / SUMMARY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
     summary = {
         "recipe": recipe,
         "metrics": metrics,
@@ -59,10 +57,7 @@ def write_summary(
         "model_digest": model_digest,
         **extra,
     }
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json(path, summary)
 
 
 def output_lines(summary: Path, checkpoints: Path, best: Path | None, best_metric: str, log_dir: Path) -> str:

@@ -6,6 +6,7 @@ root); without them they are skipped, and with REQUIRE_SLURM=1 (CI) they fail in
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -105,6 +106,73 @@ def test_preempted_sbatch_requeues_resumes_and_matches_uninterrupted_digest(slur
     result = read_summary(preempted["run_dir"])
     assert result["resumes"] == 1 and result["steps"] == 32
     assert result["model_digest"] == read_summary(alone["run_dir"])["model_digest"]
+
+
+@pytest.mark.slurm
+def test_usr1_to_one_task_of_an_array_requeues_that_task_alone(slurm_env: dict[str, str], tmp_path: Path):
+    """The task of an array whose $SLURM_JOB_ID is the array's own id (task 0 or the last, by SLURM
+    version) would requeue every task with `scontrol requeue $SLURM_JOB_ID`
+    (Lightning-AI/pytorch-lightning#15040): lib.sh names <array job>_<task>. That task is stopped
+    with USR1: it alone is requeued, the other keeps running with its job id."""
+    data = write_fashion_mnist(tmp_path / "data")
+    env = {**paused_env(2, tmp_path / "paused"), **slurm_env, "PYTHON": sys.executable}  # both tasks pause at step 2
+    array = sc.sbatch(REPO / "cluster" / "slurm" / "fashion_mnist.sbatch",
+                      args=["--array=0-1", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
+                            f"--output={tmp_path}/task-%a.out"], env=env, cwd=REPO,
+                      script_args=[f"data.root={data}", "trainer.epochs=2", "checkpoint.every_steps=1", *TINY,
+                                   f"run_dir={tmp_path}/task-${{oc.env:SLURM_ARRAY_TASK_ID}}"])
+    deadline = time.monotonic() + 300
+    while any(latest_step(tmp_path / f"task-{task}" / "checkpoints") < 2 for task in (0, 1)):
+        assert time.monotonic() < deadline, "the array's tasks did not both reach their checkpoint of step 2"
+        time.sleep(0.2)
+    job_ids = {task: sc.job_info(f"{array}_{task}", slurm_env)["JobId"] for task in (0, 1)}
+    stopped = next(task for task, job_id in job_ids.items() if job_id == array)
+    other = 1 - stopped
+
+    sc.signal_batch(f"{array}_{stopped}", "USR1", env=slurm_env)
+    log = tmp_path / f"task-{stopped}.out"
+    assert sc.wait_for_job(f"{array}_{stopped}", timeout_s=300, env=slurm_env) == "COMPLETED", log.read_text()
+    assert sc.job_restart_count(f"{array}_{stopped}", env=slurm_env) == 1
+    assert f"requeueing {array}_{stopped}" in log.read_text()
+    try:
+        assert sc.job_state(f"{array}_{other}", slurm_env) == "RUNNING", "the other task was stopped too"
+        assert sc.job_restart_count(f"{array}_{other}", env=slurm_env) == 0, "the other task was requeued too"
+        assert sc.job_info(f"{array}_{other}", slurm_env)["JobId"] == job_ids[other]
+        assert (tmp_path / f"task-{other}.out").read_text().count("start (restart") == 1
+    finally:
+        sc.cancel(f"{array}_{other}", env=slurm_env)
+
+
+@pytest.mark.slurm
+def test_a_requeued_job_takes_over_the_lock_its_earlier_run_left(slurm_env: dict[str, str], tmp_path: Path):
+    """Processes of a job's run before its requeue may linger on another node, heart-beating: the
+    requeued job (same job id) takes their lock over at once; another job is refused it."""
+    from common.run_lock import LOCK_FILE
+
+    data = write_fashion_mnist(tmp_path / "data")
+    options = ["--gpus-per-node=0", "--cpus-per-task=1", "--time=10", "--hold"]
+    env = clean_env(**slurm_env)
+    jobs, run_dirs = {}, {}
+    for name in ("requeued", "another"):
+        run_dirs[name] = tmp_path / name
+        jobs[name] = sc.sbatch(REPO / "cluster" / "slurm" / "fashion_mnist.sbatch",
+                               args=[*options, f"--output={tmp_path}/{name}.out"], env=env, cwd=REPO,
+                               script_args=[f"data.root={data}", "trainer.epochs=1", *TINY,
+                                            f"run_dir={run_dirs[name]}"])
+    for name, job in jobs.items():  # a fresh heartbeat from another host: only the job id can settle it
+        run_dirs[name].mkdir()
+        (run_dirs[name] / LOCK_FILE).write_text(json.dumps({
+            "host": "node-gone", "boot_id": "x", "pid": 4321, "pid_start": "", "isc_artifacts": None,
+            "since": "2026-01-01T00:00:00+00:00", "slurm_job": job if name == "requeued" else "999999"}))
+        subprocess.run(["scontrol", "release", job], env={**os.environ, **slurm_env}, check=True)
+    assert sc.wait_for_job(jobs["requeued"], timeout_s=300, env=env) == "COMPLETED"
+    output = (tmp_path / "requeued.out").read_text()
+    assert (f"took over the lock of {run_dirs['requeued']} from host node-gone, pid 4321, SLURM job "
+            f"{jobs['requeued']}" in output and "from before it was requeued" in output), output
+    assert sc.wait_for_job(jobs["another"], timeout_s=300, env=env) == "FAILED"
+    output = (tmp_path / "another.out").read_text()
+    assert "is in use by another launch of this run (host node-gone, pid 4321, SLURM job 999999" in output, output
+    assert "training exited with code 2" in output and not (run_dirs["another"] / "checkpoints").exists()
 
 
 # ---- SLURM: a Hydra sweep through hydra-submitit-launcher -----------------------------------

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common import distributed
+from common.divergence import NONE
 from common.errors import UserError
 from common.metrics import SumMetrics, ratio
 from common.optim import accumulation_steps, scaled_lr
@@ -128,7 +129,9 @@ def _worker(rank: int, results: Path, main_backend: str) -> None:
     for step in range(1, 9):
         if rank == 1 and step == 3:
             flag.signal_name = "SIGUSR1"
-        decision = cadence.after_step(step)
+        # Rank 1 also saw a non-finite loss at step 3: both ranks learn it, and where, at step 4.
+        decision = cadence.after_step(step, lambda: 3 if rank == 1 and step >= 3 else NONE)
+        assert (decision.nonfinite_step, decision.nonfinite_ranks) == ((3, (1,)) if step == 4 else (NONE, ()))
         if decision.stop:
             assert decision.save
             stopped_at = step

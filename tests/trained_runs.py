@@ -2,8 +2,8 @@
 comes after training (evaluate, export, init_from, early stopping).
 
 A run is trained the way ``python -m recipes.<r>.train`` trains it (the composed config, the
-recipe's own ``train``), minus the subprocess: Hydra's ``.hydra/config.yaml`` is written as Hydra
-writes it, so the run directory is what the tools read. Each run is made once per test session
+recipe's own ``train`` in ``common.entry.training_process``, which writes ``.hydra/config.yaml``),
+minus the subprocess, so the run directory is what the tools read. Each run is made once per test session
 (:func:`shared_run`), whichever test module asks first.
 """
 
@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from common.entry import compose_config, training_process
 from common.evaluate import eval_file
@@ -58,8 +57,6 @@ def shared_run(name: str, factory: pytest.TempPathFactory, make: Callable[[Path]
 def train_here(recipe: str, run_dir: Path, *overrides: str) -> dict[str, Any]:
     """Train ``recipe`` with its tiny settings and ``overrides`` into ``run_dir``; its summary."""
     cfg = compose_config(recipe, [f"run_dir={run_dir}", *TINY[recipe], *overrides])
-    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     train = importlib.import_module(f"recipes.{recipe}.train")
     group = train.process_group(cfg) if hasattr(train, "process_group") else {}
     deterministic = torch.are_deterministic_algorithms_enabled()

@@ -17,6 +17,8 @@
 #   into a step kill, so USR1 is what we forward.
 # * The run directory is runs/<recipe>/slurm-<job id> unless name= or run_dir= is given; a
 #   requeued job keeps its job id, so it finds its checkpoints.
+# * Only a training that checkpointed and stopped (exit 75) is requeued: a run that diverged
+#   (exit 3) or met a user error (exit 2) would do the same again.
 
 STOP_SIGNAL=""
 TRAINING_PID=""
@@ -140,9 +142,15 @@ run_preemptible() {
         log "training finished; summary in $RUN_DIR/summary.json"
         return 0
     fi
-    if [[ $STOP_SIGNAL == USR1 ]]; then
-        log "training stopped (exit $status) after its checkpoint; requeueing"
-        scontrol requeue "$SLURM_JOB_ID"
+    if [[ $STOP_SIGNAL == USR1 && $status -eq 75 ]]; then
+        # In a job array, $SLURM_JOB_ID of task 0 is also the array's id, and requeueing it would
+        # requeue every task: name the task itself.
+        local job=$SLURM_JOB_ID
+        if [[ -n ${SLURM_ARRAY_JOB_ID:-} && -n ${SLURM_ARRAY_TASK_ID:-} ]]; then
+            job=${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}
+        fi
+        log "training stopped (exit $status) after its checkpoint; requeueing $job"
+        scontrol requeue "$job"
         exit 0
     fi
     log "training exited with code $status${STOP_SIGNAL:+ after SIG$STOP_SIGNAL}"

@@ -211,12 +211,13 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                 (loss * (len(batch) / group.samples)).backward()
                 train_sums.add(loss=loss.detach() * len(batch), correct=(logits.argmax(1) == y).sum(),
                                count=len(batch))
+            grad_norm = None
             if trainer_cfg.grad_clip_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            run.step_done(group.samples)
+            run.step_done(group.samples, grad_norm)
 
             if progress.step % trainer_cfg.log_every_steps == 0:
                 sums = train_sums.reduce()

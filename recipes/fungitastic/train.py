@@ -238,14 +238,15 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                 known = {f"count_{rank}": (labels[:, column] != metadata.UNKNOWN).sum()
                          for column, rank in enumerate(ranks)}
                 train_sums.add(loss=loss.detach() * len(labels), count=len(labels), **hits, **known)
+            grad_norm = None
             if trainer_cfg.grad_clip_norm:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            run.step_done(group.samples)
+            run.step_done(group.samples, grad_norm)
 
             if progress.step % trainer_cfg.log_every_steps == 0:
                 sums = train_sums.reduce()

@@ -222,15 +222,16 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                         scaler.scale(loss / len(group)).backward()
                     train_sums.add(loss=loss.detach() * len(labels), correct=(logits.argmax(1) == labels).sum(),
                                    count=len(labels))
+            grad_norm = None
             if trainer_cfg.grad_clip_norm:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             if ema is not None:
                 ema.update(model, step=progress.step)
-            run.step_done(group.samples)
+            run.step_done(group.samples, grad_norm)
             scheduler.step_update(num_updates=progress.step)
 
             if progress.step % trainer_cfg.log_every_steps == 0:

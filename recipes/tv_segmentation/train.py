@@ -157,14 +157,15 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                         loss = segmentation_loss(forward(images), masks, model_cfg.aux_weight)
                     scaler.scale(loss / len(group)).backward()
                 train_sums.add(loss=loss.detach(), batches=1)
+            grad_norm = None
             if trainer_cfg.grad_clip_norm:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            run.step_done(group.samples)
+            run.step_done(group.samples, grad_norm)
 
             if progress.step % trainer_cfg.log_every_steps == 0:
                 sums = train_sums.reduce()

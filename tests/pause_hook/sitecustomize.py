@@ -1,5 +1,6 @@
-"""Test-only (tests/resume.py): pause a training run right after a chosen checkpoint, so that a
-SIGKILL or a stop signal lands exactly there, however fast or loaded the machine is.
+"""Test-only hooks for runs the tests start: pause a training run right after a chosen checkpoint
+(tests/resume.py), so that a SIGKILL or a stop signal lands exactly there, however fast or loaded
+the machine is; and make a chosen training step non-finite (tests/test_divergence.py).
 
 Python imports this module at start-up when its folder (and the repository) is on PYTHONPATH.
 With PAUSE_AT_STEP=<n> and PAUSE_MARKER=<file> set, it patches the checkpoint manager of every
@@ -17,6 +18,12 @@ process started so, and each process that saves (every rank) does this at its fi
   goes on until its next save waits for the writer. A SIGKILL then lands in a real write;
 * a process started once the marker exists does not pause (a requeued job, say), nor does one
   whose checkpoint directory does not contain PAUSE_ONLY_IN, when that is set (one job of a sweep).
+
+With NONFINITE_AT_STEP=<k>, the training loss of optimizer step ``k`` (its first micro-batch's
+``F.cross_entropy``, in training only) is made NaN (NONFINITE_HOW=loss) or, with
+NONFINITE_HOW=grad, stays finite while its gradient becomes infinite (what fp16 overflow does);
+on rank NONFINITE_RANK only when that is set, and NONFINITE_TIMES times in a process (default 1;
+0: every time the run reaches step ``k``, after a rollback too).
 """
 
 import os
@@ -99,3 +106,50 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
         return written
 
     checkpoint_module._HashingWriter.write = write_chunk_then_hang
+
+
+if os.environ.get("NONFINITE_AT_STEP"):
+    import torch
+    import torch.nn.functional as F
+
+    from common.run import TrainingRun
+
+    NONFINITE_AT = int(os.environ["NONFINITE_AT_STEP"])
+    NONFINITE_HOW = os.environ.get("NONFINITE_HOW", "loss")
+    NONFINITE_RANK = os.environ.get("NONFINITE_RANK")
+    NONFINITE_TIMES = int(os.environ.get("NONFINITE_TIMES", "1"))
+    runs: list[TrainingRun] = []
+    fired: list[tuple[int, int]] = []  # (rollbacks so far, step) of each pass through step k that fired
+
+    class InfiniteGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, value: torch.Tensor) -> torch.Tensor:
+            return value.clone()
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            return grad * float("inf")
+
+    real_init = TrainingRun.__init__
+
+    def init_and_note(self: TrainingRun, *args: object, **kwargs: object) -> None:
+        real_init(self, *args, **kwargs)
+        runs.append(self)
+
+    TrainingRun.__init__ = init_and_note
+    real_cross_entropy = F.cross_entropy
+
+    def cross_entropy(*args: object, **kwargs: object) -> torch.Tensor:
+        loss = real_cross_entropy(*args, **kwargs)
+        run = runs[-1] if runs else None
+        if run is None or not torch.is_grad_enabled() or run.progress.step + 1 != NONFINITE_AT:
+            return loss
+        if NONFINITE_RANK is not None and run.dist_info.rank != int(NONFINITE_RANK):
+            return loss
+        this_pass = (len(run.progress.rollbacks), run.progress.step)
+        if this_pass in fired or (NONFINITE_TIMES and len(fired) >= NONFINITE_TIMES):
+            return loss
+        fired.append(this_pass)
+        return InfiniteGradient.apply(loss) if NONFINITE_HOW == "grad" else loss * float("nan")
+
+    F.cross_entropy = cross_entropy

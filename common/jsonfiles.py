@@ -1,0 +1,51 @@
+"""JSON as RFC 8259 has it: every JSON file the project writes goes through here.
+
+Python's ``json`` writes ``NaN`` and ``Infinity``, which are not JSON: ``jq``, JavaScript and
+strict parsers reject the whole file. A metric can be NaN (a diverged loss), so values that are
+not finite are written as ``null``, and an object that had any lists their paths under
+``"non_finite"`` (``["metrics.eval/loss"]``), so that a reader can tell such a ``null`` from a
+value that was never there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+NON_FINITE_KEY = "non_finite"
+
+
+def finite_or_none(value: Any, path: str, replaced: list[str]) -> Any:
+    """``value`` with every float that is not finite (nested in dicts, lists, tuples) as None;
+    the dotted path of each one replaced is appended to ``replaced``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        replaced.append(path)
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_none(item, f"{path}.{key}" if path else str(key), replaced)
+                for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(item, f"{path}[{index}]", replaced) for index, item in enumerate(value)]
+    return value
+
+
+def dumps(obj: Any, **options: Any) -> str:
+    """``json.dumps`` that never writes NaN or Infinity (see the module)."""
+    replaced: list[str] = []
+    converted = finite_or_none(obj, "", replaced)
+    if replaced and isinstance(converted, dict):
+        converted[NON_FINITE_KEY] = replaced
+    return json.dumps(converted, allow_nan=False, **options)
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` to ``path`` atomically (a temporary file renamed over it), indented."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
