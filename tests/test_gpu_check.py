@@ -6,11 +6,12 @@ import json
 import shutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check import RECIPES, CheckFailed, judge_syncs, step_lines
+from benchmarks.gpu_check import RECIPES, CheckFailed, judge_syncs, step_lines, sync_site
 from benchmarks.run import HAND_END, HAND_START
 from tests.conftest import REPO, assert_ok, recipe_env
 
@@ -73,3 +74,32 @@ def test_a_sync_inside_the_step_fails_and_one_in_the_logging_branch_does_not(tmp
     syncs.write_text(json.dumps({str(reduce_for_logging): 3, str(backward): 32}))
     with pytest.raises(CheckFailed, match=f"train.py:{backward} x32"):
         judge_syncs(syncs)
+
+
+def test_a_sync_in_a_helper_is_judged_by_the_frame_that_called_it_from_the_step(tmp_path: Path) -> None:
+    """A sync in a function defined in train.py counts where the step called it: walking outward
+    from the innermost train.py frame, the first inside the step decides."""
+    train_py = REPO / "recipes" / "fashion_mnist" / "train.py"
+    step, allowed = step_lines(train_py)
+    lines = train_py.read_text().splitlines()
+    helper = next(n for n, line in enumerate(lines, 1) if line.startswith("def ")) + 1  # a body line outside the step
+    reduce_for_logging = next(n for n, line in enumerate(lines, 1) if "train_sums.reduce()" in line)
+    backward = next(n for n, line in enumerate(lines, 1) if ".backward()" in line)
+    assert helper not in step
+    syncs = tmp_path / "fashion_mnist" / "syncs.json"
+    syncs.parent.mkdir()
+    syncs.write_text(json.dumps({f"{helper},{reduce_for_logging}": 2, str(helper): 5, "outside train.py": 1}))
+    assert judge_syncs(syncs) == "none in the step; 2 in logging/checkpoint branches, 6 outside the step"
+    syncs.write_text(json.dumps({f"{helper},{backward}": 4}))
+    with pytest.raises(CheckFailed, match=rf"train.py:{backward} \(in train.py:{helper}\) x4"):
+        judge_syncs(syncs)
+
+
+def test_the_tracer_records_every_train_py_frame_innermost_first() -> None:
+    train_py = "/repo/recipes/r/train.py"
+    stack = traceback.StackSummary.from_list([
+        traceback.FrameSummary("runpy.py", 5, "_run_code"), traceback.FrameSummary(train_py, 87, "main"),
+        traceback.FrameSummary("torch/nn/module.py", 3, "__call__"), traceback.FrameSummary(train_py, 212, "helper"),
+        traceback.FrameSummary("torch/_tensor.py", 9, "item")])
+    assert sync_site(stack, train_py) == "212,87"
+    assert sync_site(stack[:1], train_py) == "outside train.py"
