@@ -140,11 +140,13 @@ def write_datasets(root: Path) -> dict[str, list[str]]:
 
 
 def write_tiny_dinov2(path: Path) -> Path:
-    """A 'pretrained' two-block DINOv2 in transformers' save_pretrained layout."""
+    """A 'pretrained' two-block DINOv2 in transformers' save_pretrained layout, with a position
+    table for 56 px while the run trains at 28 (as the published weights are for 518 px and the
+    recipe trains at 224): a table interpolated in each forward fails the deterministic backward."""
     from transformers import Dinov2Config, Dinov2Model
 
     torch.manual_seed(0)
-    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=28,
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=56,
                           patch_size=14)
     Dinov2Model(config).save_pretrained(path)
     return path
