@@ -18,8 +18,9 @@ Checks (each passes or fails; any failure makes the exit code 1):
   logging and checkpoint branches, fails the check;
 * on CUDA, ``data.decode=gpu`` (nvjpeg, then the crop on the device) gives the images the
   CPU path gives, for every kind of file an ImageNet folder holds;
-* tv_segmentation's synchronised BatchNorm (``nn.SyncBatchNorm`` on CUDA) across two processes
-  (gloo: NCCL refuses two ranks on one GPU) equals BatchNorm over the whole batch.
+* tv_segmentation's synchronised BatchNorm (``AllReduceBatchNorm``) across two processes (gloo:
+  NCCL refuses two ranks on one GPU) equals BatchNorm over the whole batch; on CUDA its forward
+  and backward over NCCL make no host sync.
 
 Figures (reported with their goal; a figure short of its goal is not a failed check):
 ResNet-50 224 px training images/s (bf16, channels_last, eager and compiled, synthetic batch on
@@ -389,7 +390,8 @@ def _sync_batchnorm_worker(rank: int, port: int, device_type: str, out: Path) ->
         device = torch.device(device_type)
         torch.manual_seed(0)
         batch = torch.randn(8, 4, 5, 5, device=device)
-        model, converted = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(4)).to(device), device)
+        model, converted = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(4)))
+        model = model.to(device)
         half = batch[rank * 4:(rank + 1) * 4].clone().requires_grad_()
         (model(half) * torch.arange(1.0, 5.0, device=device).view(1, 4, 1, 1)).square().sum().backward()
         torch.save({"kind": type(model[0]).__name__, "converted": converted, "grad": half.grad.cpu(),
@@ -417,6 +419,45 @@ def check_sync_batchnorm(device: str, work: Path) -> str:
     if not torch.allclose(ranks[0]["running_mean"], reference.running_mean, atol=1e-6):
         raise CheckFailed("running statistics differ from BatchNorm over the whole batch")
     return f"{ranks[0]['kind']} on {device}: gradients and running statistics equal BatchNorm's over the whole batch"
+
+
+def _batchnorm_syncs_worker(rank: int, port: int) -> None:
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from recipes.tv_segmentation.sync_batchnorm import convert_sync_batchnorm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        layers = [torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3),
+                  torch.nn.BatchNorm2d(8)]
+        model = convert_sync_batchnorm(torch.nn.Sequential(*layers))[0].cuda()
+        images = torch.randn(4, 3, 16, 16, device="cuda")
+        # A group of one takes plain BatchNorm's path: make it take the synchronised one.
+        with mock.patch.object(dist, "get_world_size", return_value=2):
+            model(images).square().mean().backward()  # NCCL sets its communicator up here
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                model(images).square().mean().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_batchnorm_syncs() -> str:
+    """tv_segmentation's synchronised BatchNorm on CUDA (NCCL): forward and backward with CUDA's
+    sync debug mode set to raise."""
+    import torch.multiprocessing as mp
+
+    from common.distributed import free_port
+
+    mp.spawn(_batchnorm_syncs_worker, args=(free_port(),), nprocs=1, join=True)
+    return "AllReduceBatchNorm: forward and backward on NCCL without a host sync"
 
 
 # ---- figures ------------------------------------------------------------------------------------------------
@@ -588,6 +629,8 @@ def run_everything(report: Report, device_name: str, work: Path, compile_too: bo
                 future.result()
     report.timed("tv_segmentation: synchronised BatchNorm across 2 processes",
                  lambda: check_sync_batchnorm(device_name, work / "sync_batchnorm"))
+    if device_name == "cuda":
+        report.timed("tv_segmentation: synchronised BatchNorm without a host sync", check_batchnorm_syncs)
     if device_name == "cuda":
         report.timed("timm_imagenet data.decode=gpu: nvjpeg crops as the CPU path does",
                      lambda: check_nvjpeg(work / "jpegs"))

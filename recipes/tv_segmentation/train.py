@@ -103,11 +103,11 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                              collate_fn=pad_collate, generator=torch.Generator())
     normalize = Normalize(MEAN, STD, device)  # the loaders hand over uint8
 
-    # ---- model: torchvision by name, SyncBatchNorm under DDP ---------------------------------
+    # ---- model: torchvision by name, synchronised BatchNorm under DDP -------------------------
     model = build_model(cfg.model)
     synced_norms = 0
     if dist_info.distributed and cfg.model.sync_batchnorm:
-        model, synced_norms = convert_sync_batchnorm(model, device)
+        model, synced_norms = convert_sync_batchnorm(model)
     model = model.to(device)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
