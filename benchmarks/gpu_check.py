@@ -17,7 +17,9 @@ Checks (each passes or fails; any failure makes the exit code 1):
   sync is traced to its line in ``train.py``; any inside the training step, other than the
   logging and checkpoint branches, fails the check;
 * on CUDA, ``data.decode=gpu`` (nvjpeg, then the crop on the device) gives the images the
-  CPU path gives, for every kind of file an ImageNet folder holds;
+  CPU path gives, for every kind of file an ImageNet folder holds, and nvjpeg decoding while a
+  long matrix product whose operands were just freed is queued on the stream corrupts neither
+  (pytorch/vision#9606);
 * tv_segmentation's synchronised BatchNorm (``AllReduceBatchNorm``) across two processes (gloo:
   NCCL refuses two ranks on one GPU) equals BatchNorm over the whole batch; on CUDA its forward
   and backward over NCCL make no host sync.
@@ -489,6 +491,68 @@ def check_nvjpeg(work: Path) -> str:
     return f"{len(names)} images, largest mean difference {differences[worst]:.2f} grey levels ({worst})"
 
 
+def check_decode_under_load(work: Path, figures: list[Result]) -> str:
+    """``data.decode=gpu`` while the training stream is busy: nvjpeg decodes while a long matrix
+    product whose operands were just freed is still queued, as in a training step
+    (pytorch/vision#9606 saw 199 of 200 such decodes corrupt on an H100). The images must equal
+    nvjpeg's on an idle GPU (and the CPU decode to a grey level or two), and the product its value
+    on an idle GPU. Also times a decode call on the host with that work queued: the side stream
+    this project uses, and a sync before the decode (the other safe way)."""
+    import statistics
+
+    from common.config import Decode
+    from common.images import DeviceTrainInput, TrainAugmentation, decode, read_file
+    from tools.tiny_data import write_jpeg_cases
+
+    cases = write_jpeg_cases(work, width=1000, height=750)  # "large" is 4000 x 3000, a phone photo
+    files = [str(cases[name]) for name in ("rgb", "large")] * 4
+    pieces = [torch.from_numpy(read_file(path)) for path in files]
+    device = torch.device("cuda")
+    to_model = DeviceTrainInput(TrainAugmentation(size=224), Decode.gpu, (0.0,) * 3, (1.0,) * 3, device)
+    idle = [image.cpu() for image in to_model.decode_on_device(pieces)]
+    worst = max(float((image.float() - torch.from_numpy(decode(read_file(path), path)).permute(2, 0, 1)).abs().mean())
+                for image, path in zip(idle, files))
+    if worst >= 2:
+        raise CheckFailed(f"nvjpeg's images differ from the CPU decode by {worst:.1f} grey levels on average")
+
+    def queued_work(seed: int) -> torch.Tensor:
+        """Tens of milliseconds of work on the stream; its operands are freed when this returns."""
+        operand = torch.randn(8192, 8192, device=device, generator=torch.Generator(device).manual_seed(seed))
+        return (operand @ operand).sum(0)
+
+    expected = [queued_work(trial).cpu() for trial in range(20)]
+    bad_images = bad_work = 0
+    for trial in range(20):
+        result = queued_work(trial)
+        images = to_model.decode_on_device(pieces)
+        bad_images += any(not torch.equal(image.cpu(), reference) for image, reference in zip(images, idle))
+        bad_work += not torch.equal(result.cpu(), expected[trial])
+    if bad_images or bad_work:
+        raise CheckFailed(f"decoding while work was queued corrupted the images {bad_images} times and the queued "
+                          f"work {bad_work} times in 20")
+
+    def host_ms(decode_call: Callable[[], object]) -> float:
+        times = []
+        for trial in range(5):
+            queued_work(trial)
+            start = time.perf_counter()
+            decode_call()
+            times.append(1000 * (time.perf_counter() - start))
+            torch.cuda.synchronize()
+        return statistics.median(times)
+
+    def sync_then_decode() -> object:
+        torch.cuda.current_stream().synchronize()
+        return to_model.decode_on_device(pieces)
+
+    name, setting = "data.decode=gpu: host time of a decode call", "8 JPEGs (4 of 12 MP), 8192^3 matmul queued"
+    figures += [Result(name, f"{setting}, side stream (used)", host_ms(lambda: to_model.decode_on_device(pieces)),
+                       "ms", "the host does not wait for the queued work"),
+                Result(name, f"{setting}, sync first", host_ms(sync_then_decode), "ms",
+                       "the other safe way: the host waits for the queued work")]
+    return f"20 decodes with work queued: images and work intact; nvjpeg vs CPU decode {worst:.2f} grey levels"
+
+
 def peak_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
 
@@ -634,6 +698,8 @@ def run_everything(report: Report, device_name: str, work: Path, compile_too: bo
     if device_name == "cuda":
         report.timed("timm_imagenet data.decode=gpu: nvjpeg crops as the CPU path does",
                      lambda: check_nvjpeg(work / "jpegs"))
+        report.timed("data.decode=gpu: nvjpeg with work queued on the stream, images and work intact",
+                     lambda: check_decode_under_load(work / "jpegs_under_load", report.figures))
     device = torch.device(device_name)
     for name, figures in (("ResNet-50 figures", lambda: resnet50_figures(device, compile_too)),
                           ("ViT-B/14 and ViT-L/14 figures", lambda: vit_figures(device, compile_too)),
