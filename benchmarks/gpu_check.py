@@ -111,7 +111,9 @@ class CheckFailed(Exception):
 
 
 def write_datasets(root: Path) -> dict[str, list[str]]:
-    """Every recipe's tiny data under ``root``; returns each recipe's data and model overrides."""
+    """Every recipe's tiny data under ``root``; returns each recipe's data and model overrides. The
+    per-sample policies run on the device (cifar100's TrivialAugment; timm_imagenet's and
+    fungitastic's after nvjpeg, ``data.decode=gpu``), so that the host-sync check covers them."""
     from data_prep import fungitastic as fungi_prep
     from tools import tiny_data
 
@@ -128,15 +130,16 @@ def write_datasets(root: Path) -> dict[str, list[str]]:
                           "model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=16",
                           "trainer.channels_last=true"],
         "cifar100_resnet50": [f"data.root={cifar}", "model.name=test_resnet", "trainer.batch_size=8",
-                              "trainer.channels_last=true"],
+                              "trainer.channels_last=true", "data.auto_augment=trivialaugment"],
         "timm_imagenet": [f"data.root={tiny_data.write_image_folder(root / 'imagenet', train_per_class=16)}",
                           "model.name=test_resnet", "data.train_size=32", "data.eval_size=32",
-                          "trainer.batch_size=8", "trainer.num_workers=0", "trainer.channels_last=true"],
+                          "trainer.batch_size=8", "trainer.num_workers=0", "trainer.channels_last=true",
+                          "data.decode=gpu", "data.auto_augment=ta_wide"],
         "tv_segmentation": [f"data.root={tiny_data.write_voc(root / 'VOC2012', n_train=12, n_val=4)}",
                             "model.name=deeplabv3_mobilenet_v3_large", "data.base_size=40", "data.crop_size=40",
                             "trainer.batch_size=2", "trainer.num_workers=0", "trainer.channels_last=true"],
         "fungitastic": [f"data.root={fungi}", "model.name=test_vit", "model.pretrained=", "data.image_size=32",
-                        "trainer.batch_size=4", "trainer.num_workers=0"],
+                        "trainer.batch_size=4", "trainer.num_workers=0", "data.decode=gpu"],
         "dinov2_fsdp": [f"data.root={cifar}", f"model.weights={dinov2}", "model.image_size=28", "trainer.batch_size=8",
                         "trainer.global_batch_size=8", "stages.probe_epochs=1", "fsdp.on_one_rank=true"],
     }

@@ -10,7 +10,8 @@ chooses where the pixels are made; every random draw is made in the DataLoader w
 * ``gpu``: the worker only reads the file's bytes and makes the same draws; the main process
   decodes the whole batch on the device (``torchvision.io.decode_jpeg``, nvjpeg on CUDA), crops
   and resizes every image to its box with ``roi_align``, flips and applies the per-sample
-  augmentation there. JPEGs that are not three-component (greyscale, CMYK) and files that are
+  augmentation there, to the whole batch at once (:mod:`common.auto_augment`; each sample's ops
+  drawn from a seed its worker drew). JPEGs that are not three-component (greyscale, CMYK) and files that are
   not JPEGs are decoded by the worker, as on the CPU path, and cropped on the device; a JPEG the
   device decoder refuses is decoded on the CPU, and one nothing decodes is a one-line error.
 
@@ -58,6 +59,7 @@ from torchvision.ops import roi_align
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as tvf
 
+from common.auto_augment import batch_policy
 from common.config import Decode
 from common.errors import UserError
 from common.image_batches import Normalize
@@ -345,6 +347,9 @@ class DeviceTrainInput:
                 raise UserError(f"data.decode=gpu resizes bilinearly (roi_align), not {augmentation.interpolation}: "
                                 "set data.interpolation=bilinear or use data.decode=cpu")
             self.check_the_decoder()
+        self.device_policy = None  # the per-sample policy, run on the device (decode=gpu) for a whole batch
+        if self.decode == Decode.gpu and augmentation.per_sample is not None:
+            self.device_policy = batch_policy(augmentation.per_sample)
 
     def check_the_decoder(self) -> None:
         """Decode a tiny JPEG on the device once: a torchvision without a device decoder is one
@@ -381,11 +386,14 @@ class DeviceTrainInput:
         crops = crops.round_().clamp_(0, 255).to(torch.uint8)  # the per-sample policy sees uint8, as on the CPU
         flips = batch["flip"].to(self.device, non_blocking=True).view(-1, 1, 1, 1)
         crops = torch.where(flips, crops.flip(-1), crops)
-        if self.augmentation.per_sample is not None:
+        if self.device_policy is not None:  # each sample's ops drawn from its seed, applied to the batch
+            size = self.augmentation.size
             with torch.random.fork_rng(devices=[]):  # the policy draws from torch's CPU generator
-                for i, seed in enumerate(batch["seed"].tolist()):
+                draws = []
+                for seed in batch["seed"].tolist():
                     torch.default_generator.manual_seed(seed)
-                    crops[i] = self.augmentation.per_sample(crops[i])
+                    draws.append(self.device_policy.draw(size, size))
+            crops = self.device_policy.apply(crops, draws)
         return crops
 
     def decode_jpegs(self, pieces: list[torch.Tensor], paths: list[str]) -> list[torch.Tensor]:
