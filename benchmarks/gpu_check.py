@@ -1,7 +1,10 @@
 """``make gpu-check``: what only a GPU can show, in one command, one process at a time.
 
-    python -m benchmarks.gpu_check                 # on a GPU machine (python3 works too: no make setup)
+    python3 -m benchmarks.gpu_check --quick        # on a GPU machine: the checks without the figures, minutes
+    python3 -m benchmarks.gpu_check                # the checks and the figures (no make setup needed)
     python -m benchmarks.gpu_check --device cpu    # the same sequence at tiny sizes (make gpu-check DEVICE=cpu)
+
+It first checks that this Python has every package it needs (one line naming the missing ones).
 
 Checks (each passes or fails; any failure makes the exit code 1):
 
@@ -9,8 +12,10 @@ Checks (each passes or fails; any failure makes the exit code 1):
   format, a few dozen steps in bf16 (channels_last where the recipe uses it), with background
   checkpoints (pinned host buffers on a GPU) and ``trainer.deterministic=true``: an
   uninterrupted run; a run sent SIGTERM after its first checkpoint, which must exit with 75;
-  its resume, whose ``model_digest`` must equal the uninterrupted run's; and a short run with
-  ``trainer.compile=true``. dinov2_fsdp runs with FSDP2 on one rank (``fsdp.on_one_rank``, nccl
+  its resume, whose ``model_digest`` must equal the uninterrupted run's. Without ``--quick``, a
+  short run with ``trainer.compile=true`` where compiling is what differs: cifar100_resnet50
+  (the line ``compile_static(ddp_model)`` the other four DDP recipes share) and dinov2_fsdp
+  (each block compiled inside FSDP2). dinov2_fsdp runs with FSDP2 on one rank (``fsdp.on_one_rank``, nccl
   on a GPU) across the probe-to-fine-tune switch, so its checkpoints are sharded saves and loads;
   on CUDA also a short run with CPU offload and gradient clipping (``cpu:gloo,cuda:nccl``).
 * on CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` in each uninterrupted run: every host
@@ -24,17 +29,18 @@ Checks (each passes or fails; any failure makes the exit code 1):
   NCCL refuses two ranks on one GPU) equals BatchNorm over the whole batch; on CUDA its forward
   and backward over NCCL make no host sync.
 
-Figures (reported with their goal; a figure short of its goal is not a failed check):
-ResNet-50 224 px training images/s (bf16, channels_last, eager and compiled, synthetic batch on
-the device; eager again with ``trainer.deterministic``: its cost), ViT-B/14 and ViT-L/14
-fine-tune images/s and MFU, the checkpoint stall of a background save into pinned buffers
-against a synchronous one, the fashion_mnist loop's overhead against a bare loop, and peak GPU
-memory of each.
+Figures (not with ``--quick``; reported with their goal, a figure short of its goal is not a
+failed check), each model built once: ResNet-50 224 px training images/s (bf16, channels_last,
+eager, eager with ``trainer.deterministic`` (its cost), then compiled; synthetic batch on the
+device), ViT-B/14 and ViT-L/14 fine-tune images/s and MFU (eager; ViT-L/14, the MFU goal's
+model, compiled too), the checkpoint stall of a background save into pinned buffers against a
+synchronous one, the fashion_mnist loop's overhead against a bare loop, and peak GPU memory of
+each; with the checks, the host time of a ``data.decode=gpu`` decode call with work queued.
 
 On CUDA the results go into a dated section at the end of ``benchmarks/RESULTS.md``'s
 hand-written part and into ``benchmarks/gpu_check.json``; ``--results`` and ``--json`` choose
 other files (on the CPU nothing is recorded unless they are given). The whole check must fit in
-``--budget-seconds`` (9 minutes: one H100); running over is a failed check.
+``--budget-seconds`` (9 minutes on one H100, 5 with ``--quick``); running over is a failed check.
 """
 
 from __future__ import annotations
@@ -61,18 +67,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
+from benchmarks.gpu_check_packages import exit_if_missing
 
-from benchmarks.results import Result
-from benchmarks.run import HAND_END, RESULTS_FILE, format_value
-from common.determinism import CUBLAS_WORKSPACE
-from common.errors import EXIT_PREEMPTED
+exit_if_missing()  # before torch and this project's modules are imported: one line naming what is missing
+
+import torch  # noqa: E402
+
+from benchmarks.results import Result  # noqa: E402
+from benchmarks.run import HAND_END, RESULTS_FILE, format_value  # noqa: E402
+from common.determinism import CUBLAS_WORKSPACE  # noqa: E402
+from common.errors import EXIT_PREEMPTED  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JSON_FILE = Path(__file__).with_name("gpu_check.json")
 WORK_DIR = REPO / "runs" / "gpu_check"
 BUDGET_S = 540
+QUICK_BUDGET_S = 300
 RECIPES = ("fashion_mnist", "cifar100_resnet50", "timm_imagenet", "tv_segmentation", "fungitastic", "dinov2_fsdp")
+COMPILED = ("cifar100_resnet50", "dinov2_fsdp")  # the two ways the recipes compile (compile_static: see above)
 SYNC_WARNING = "called a synchronizing CUDA operation"
 OUTSIDE_TRAIN_PY = "outside train.py"
 
@@ -281,7 +293,7 @@ def check_recipe(report: Report, recipe: str, overrides: list[str], device: str,
         done = summary(run_dir)
         return f"{done['steps']} steps in {done['wall_time_s']:.1f} s"
 
-    if compile_too:
+    if compile_too:  # only the recipes of COMPILED are asked to
         report.timed(f"{recipe}: torch.compile", lambda: short_run("compiled", "trainer.compile=true")
                      + " (compilation included)")
     if recipe == "dinov2_fsdp" and device == "cuda":  # clipping reduces CPU-offloaded gradients over gloo
@@ -567,20 +579,22 @@ def reset_peak(device: torch.device) -> None:
 
 
 def resnet50_figures(device: torch.device, compile_too: bool) -> list[Result]:
-    from benchmarks.cifar100_resnet50 import SyntheticSetting, synthetic_images_per_second
+    """One ResNet-50: eager, eager with trainer.deterministic (its cost), then compiled."""
+    from benchmarks.cifar100_resnet50 import SyntheticSetting, imagenet_model, synthetic_images_per_second
     from common.determinism import configure_determinism
 
     full = device.type == "cuda"
-    model, size, batch, steps, warmup = ("resnet50", 224, 256, 30, 10) if full else ("test_resnet", 32, 8, 3, 1)
+    name, size, batch, steps, warmup = ("resnet50", 224, 256, 30, 10) if full else ("test_resnet", 32, 8, 3, 1)
+    model = imagenet_model(name, device)
     figures = []
-    for compiled, deterministic in ((False, False), (True, False), (False, True)):
+    for compiled, deterministic in ((False, False), (False, True), (True, False)):
         if compiled and not compile_too:
             continue
         configure_determinism(deterministic, device.type)
         reset_peak(device)
         value = synthetic_images_per_second(model, size, batch, SyntheticSetting("bf16", True, compiled), steps,
                                             warmup, device)
-        setting = (f"{model} {size}px batch {batch}, bf16, channels_last, {'compiled' if compiled else 'eager'}"
+        setting = (f"{name} {size}px batch {batch}, bf16, channels_last, {'compiled' if compiled else 'eager'}"
                    + (", trainer.deterministic" if deterministic else ""))
         goal = "" if deterministic else ">= 3,000 on one H100"
         figures += [Result("ResNet-50 training throughput", setting, value, "images/s", goal),
@@ -590,16 +604,17 @@ def resnet50_figures(device: torch.device, compile_too: bool) -> list[Result]:
 
 
 def vit_figures(device: torch.device, compile_too: bool) -> list[Result]:
+    """ViT-B/14 eager; ViT-L/14, the model of the MFU goal, eager then compiled (one model each)."""
     from benchmarks import dinov2_fsdp
 
     sizes = dinov2_fsdp.FULL if device.type == "cuda" else dinov2_fsdp.QUICK
     figures = []
     for size in sizes:
-        for compile_blocks in (False, True) if compile_too else (False,):
-            for result in dinov2_fsdp.measure(size, device, compile_blocks, warmup=5, steps=15):
-                if result.unit == "% MFU" and "ViT-L" in result.setting:
-                    result.note += "; goal >= 40"
-                figures.append(result)
+        compiled_too = compile_too and size is sizes[-1]
+        for result in dinov2_fsdp.measure(size, device, compiled_too, warmup=5, steps=15):
+            if result.unit == "% MFU" and "ViT-L" in result.setting:
+                result.note += "; goal >= 40"
+            figures.append(result)
     return figures
 
 
@@ -679,7 +694,7 @@ def measured(report: Report, figures: Callable[[], list[Result]]) -> str:
     return ", ".join(f"{format_value(r.value)} {r.unit}" for r in results if r.unit != "GiB peak")
 
 
-def run_everything(report: Report, device_name: str, work: Path, compile_too: bool) -> None:
+def run_everything(report: Report, device_name: str, work: Path, compile_too: bool, figures_too: bool) -> None:
     """The checks, then the figures (alone on the machine, after the recipe runs)."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -692,17 +707,18 @@ def run_everything(report: Report, device_name: str, work: Path, compile_too: bo
     if report.timed("tiny datasets written in their real formats", write_data):
         with ThreadPoolExecutor(max_workers=3 if device_name == "cuda" else 2) as pool:
             for future in [pool.submit(check_recipe, report, recipe, overrides[recipe], device_name, work / recipe,
-                                       compile_too) for recipe in RECIPES]:
+                                       compile_too and recipe in COMPILED) for recipe in RECIPES]:
                 future.result()
     report.timed("tv_segmentation: synchronised BatchNorm across 2 processes",
                  lambda: check_sync_batchnorm(device_name, work / "sync_batchnorm"))
     if device_name == "cuda":
         report.timed("tv_segmentation: synchronised BatchNorm without a host sync", check_batchnorm_syncs)
-    if device_name == "cuda":
         report.timed("timm_imagenet data.decode=gpu: nvjpeg crops as the CPU path does",
                      lambda: check_nvjpeg(work / "jpegs"))
         report.timed("data.decode=gpu: nvjpeg with work queued on the stream, images and work intact",
                      lambda: check_decode_under_load(work / "jpegs_under_load", report.figures))
+    if not figures_too:
+        return
     device = torch.device(device_name)
     for name, figures in (("ResNet-50 figures", lambda: resnet50_figures(device, compile_too)),
                           ("ViT-B/14 and ViT-L/14 figures", lambda: vit_figures(device, compile_too)),
@@ -716,8 +732,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--results", type=Path, help="RESULTS.md to record into (default on CUDA: %s)" % RESULTS_FILE)
     parser.add_argument("--json", type=Path, help=f"JSON file to write (default on CUDA: {JSON_FILE})")
+    parser.add_argument("--quick", action="store_true",
+                        help="the checks without the figures and without compiling: a first contact of a few minutes")
     parser.add_argument("--budget-seconds", type=float,
-                        help=f"fail if the whole check takes longer (default on CUDA: {BUDGET_S}, one H100)")
+                        help=f"fail if the whole check takes longer (default on CUDA: {BUDGET_S}, one H100; "
+                             f"{QUICK_BUDGET_S} with --quick)")
     parser.add_argument("--work-dir", type=Path, default=WORK_DIR,
                         help="data, run directories and logs of the recipe runs (emptied first; default: %(default)s)")
     parser.add_argument("--skip-compile", action="store_true",
@@ -741,9 +760,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-check on {env['device']}: torch {env['torch']}, CUDA {env['cuda']}, driver {env['driver']}",
           flush=True)
     report = Report()
-    run_everything(report, args.device, args.work_dir, compile_too=not args.skip_compile)
+    run_everything(report, args.device, args.work_dir, compile_too=not (args.skip_compile or args.quick),
+                   figures_too=not args.quick)
     seconds = time.perf_counter() - started
-    budget = args.budget_seconds or (BUDGET_S if args.device == "cuda" else None)
+    budget = args.budget_seconds or ((QUICK_BUDGET_S if args.quick else BUDGET_S) if args.device == "cuda" else None)
     if budget is not None:
         report.checks.append(Check(f"within the time budget of {budget:.0f} s", seconds <= budget, seconds,
                                    f"took {seconds:.0f} s"))
