@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from common.errors import UserError
 
 Magnitudes = Callable[[int, int, int], torch.Tensor | None]  # (bins, height, width) -> magnitude of each bin
-Draw = list[tuple[str, float]]  # one image's ops and their magnitudes, in the order they apply
+ImageOps = list[tuple[str, float]]  # one image's ops and their magnitudes, in the order they apply
 
 # torchvision's augmentation spaces (torchvision/transforms/v2/_auto_augment.py): each op's
 # magnitudes and whether a magnitude is negated with probability 1/2. The order is torchvision's,
@@ -135,7 +135,7 @@ class BatchAutoAugment:
 
     # ---- draws, on the CPU ------------------------------------------------------------------------
 
-    def draw(self, height: int, width: int) -> Draw:
+    def draw(self, height: int, width: int) -> ImageOps:
         """One image's ops and magnitudes, from torch's global generator with torchvision's calls."""
         ops = []
         for _ in range(self.num_ops):
@@ -157,7 +157,7 @@ class BatchAutoAugment:
 
     # ---- the batch, on its device --------------------------------------------------------------------
 
-    def apply(self, images: torch.Tensor, draws: Sequence[Draw]) -> torch.Tensor:
+    def apply(self, images: torch.Tensor, draws: Sequence[ImageOps]) -> torch.Tensor:
         """uint8 ``[B, 3, H, W]`` with each image's drawn ops applied in order."""
         if len(draws) != len(images):
             raise ValueError(f"{len(draws)} draws for {len(images)} images")
@@ -180,7 +180,7 @@ class BatchAutoAugment:
         row_of = [0] * len(order)
         for row, index in enumerate(order):
             row_of[index] = row
-        numbers = torch.tensor([self.numbers(*ops[index], height, width) + [float(index), float(row_of[row])]
+        numbers = torch.tensor([self.op_numbers(*ops[index], height, width) + [float(index), float(row_of[row])]
                                 for row, index in enumerate(order)], dtype=torch.float32)
         # torchvision's _affine_grid: the matrix in float32, transposed, over half the size (in float32)
         numbers[:, THETA] = (numbers[:, THETA].view(-1, 2, 3).transpose(1, 2)
@@ -195,7 +195,7 @@ class BatchAutoAugment:
             changed.append(self.apply_group(group, pixels.index_select(0, own[:, INDEX].long()), own))
         return torch.cat(changed).index_select(0, numbers[:, ROW_OF].long())
 
-    def numbers(self, name: str, magnitude: float, height: int, width: int) -> list[float]:
+    def op_numbers(self, name: str, magnitude: float, height: int, width: int) -> list[float]:
         """The numbers an op needs on the device, computed here in double precision as torchvision
         computes them in Python (one row of the copy; see the column names above)."""
         theta = inverse_affine(name, magnitude, height, width) if name in GEOMETRIC else [0.0] * 6
