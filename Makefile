@@ -80,8 +80,12 @@ mutation-check: $(STAMP) ## Break the code on purpose and check the tests notice
 bench: $(STAMP) ## Measure loop overhead, checkpoint stall and throughput; writes benchmarks/RESULTS.md
 	$(PY) -m benchmarks.run $(ARGS)
 
-gpu-check: $(STAMP) ## Every GPU check and figure in one command, recorded in benchmarks/RESULTS.md (DEVICE=cpu: tiny)
-	$(PY) -m benchmarks.gpu_check --device $(DEVICE) $(ARGS)
+# gpu-check takes .venv's Python where there is one, else python3: a GPU machine's own Python with the
+# wheels the README names (no make setup there; gpu-check names what is missing in one line).
+GPU_CHECK_PY = $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-check: FORCE ## Every GPU check and figure in one command, recorded in benchmarks/RESULTS.md (ARGS=--quick: checks only; DEVICE=cpu: tiny)
+	$(GPU_CHECK_PY) -m benchmarks.gpu_check --device $(DEVICE) $(ARGS)
 
 compare: $(STAMP) ## Table and curves of finished runs: [RUNS="runs/*/*"] [OUT=runs/compare] [ARGS=...]
 	$(PY) -m tools.compare $(or $(RUNS),"runs/*/*") --out "$(or $(OUT),runs/compare)" $(ARGS)

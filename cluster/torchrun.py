@@ -16,22 +16,27 @@ it reports when the workers end:
   Each worker records its exit code in the folder named by :data:`common.entry.EXIT_CODE_DIR`;
 * SIGUSR1 (SLURM's usual warning signal) is forwarded to the workers like SIGTERM, and workers
   get 120 s to write their checkpoint before torchrun kills them (its default is 30 s). Both can
-  be set as for torchrun (``--signals-to-handle``, ``--shutdown-timeout`` or their environment
-  variables).
+  be set as for torchrun: ``--signals-to-handle`` or ``PET_SIGNALS_TO_HANDLE``, and
+  ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (``--shutdown-timeout`` where torchrun has that option).
+  Releases before that option close the workers with a hard-coded 30 s; there this launcher makes
+  their close wait ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (:func:`give_workers_the_shutdown_window`).
 
 Any other failure is reported as torchrun reports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
 from common.entry import EXIT_CODE_DIR, compose_config, fail
@@ -56,6 +61,34 @@ def check_overrides(module: str, script_args: list[str]) -> None:
         fail(str(error))
 
 
+def torchrun_has_shutdown_timeout() -> bool:
+    """Whether this torch's torchrun passes a shutdown window (``--shutdown-timeout``, else
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) to the close of its workers."""
+    return any(field.name == "shutdown_timeout" for field in dataclasses.fields(LaunchConfig))
+
+
+def give_workers_the_shutdown_window() -> None:
+    """Make the workers' stop window ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds on every torch.
+
+    Releases whose torchrun has no shutdown window (torch 2.11 among them) stop their workers
+    with ``PContext.close(death_sig)``, whose timeout defaults to a hard-coded 30 s: a stop
+    checkpoint that takes longer (the agreement on the stop, then the save and fsync of a large
+    model) would be SIGKILLed mid-save. There, every close waits our window instead.
+    """
+    if torchrun_has_shutdown_timeout():
+        return
+    value = os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
+    if not value.isdigit():
+        fail(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be whole seconds, not {value!r}")
+    seconds = int(value)
+    close = PContext.close
+
+    def close_after_the_window(self: PContext, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
+        close(self, death_sig, seconds)
+
+    PContext.close = close_after_the_window
+
+
 def recorded_exit_codes(folder: Path) -> list[int]:
     return [int(text) for text in (path.read_text().strip() for path in folder.iterdir()) if text.isdigit()]
 
@@ -68,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.module:
         check_overrides(args.training_script, args.training_script_args)
+    give_workers_the_shutdown_window()
     with tempfile.TemporaryDirectory(prefix="torchrun-exit-codes-") as folder:
         os.environ[EXIT_CODE_DIR] = folder
         try:

@@ -221,6 +221,14 @@ class HostSnapshot:
     synchronisation); later snapshots of a state with the same structure refill them in place,
     so the training loop pays one memory copy and no allocation. A snapshot's buffers may be
     refilled only after the previous snapshot has been written.
+
+    The price is host memory: rank 0 (which snapshots everything that is not sharded) keeps a
+    copy of the whole training state, model, optimizer state and EMA, for the life of the run,
+    page-locked on a GPU machine. For ViT-L/14 with AdamW and an EMA that is about 5 GB, and more
+    in practice: PyTorch's caching host allocator rounds each pinned block up to a power of two
+    (up to twice the size). Page-locked memory cannot be swapped; leave room for it beside the
+    DataLoader workers, or save synchronously (``checkpoint.async_save=false``). FSDP shards are
+    staged by ``torch.distributed.checkpoint`` instead, each rank its own.
     """
 
     def __init__(self) -> None:

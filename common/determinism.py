@@ -31,6 +31,8 @@ def configure_determinism(deterministic: bool, device_preference: str) -> None:
     torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = fast_cuda
-    # CUDA's matmul switch only: the process-wide set_float32_matmul_precision would change CPU
-    # (oneDNN) matmuls too, and reading the legacy allow_tf32 flag after it raises.
-    torch.backends.cuda.matmul.fp32_precision = "tf32" if fast_cuda else "ieee"
+    # CUDA's matmul switch only (set_float32_matmul_precision would change CPU oneDNN matmuls too),
+    # through the legacy setter: it sets the legacy and the new (fp32_precision) state together, so
+    # both readers agree. Setting fp32_precision alone makes allow_tf32 and
+    # get_float32_matmul_precision() raise "mix of the legacy and new APIs", and Inductor reads them.
+    torch.backends.cuda.matmul.allow_tf32 = fast_cuda

@@ -10,9 +10,21 @@ chooses where the pixels are made; every random draw is made in the DataLoader w
 * ``gpu``: the worker only reads the file's bytes and makes the same draws; the main process
   decodes the whole batch on the device (``torchvision.io.decode_jpeg``, nvjpeg on CUDA), crops
   and resizes every image to its box with ``roi_align``, flips and applies the per-sample
-  augmentation there. JPEGs that are not three-component (greyscale, CMYK) and files that are
+  augmentation there, to the whole batch at once (:mod:`common.auto_augment`; each sample's ops
+  drawn from a seed its worker drew). JPEGs that are not three-component (greyscale, CMYK) and files that are
   not JPEGs are decoded by the worker, as on the CPU path, and cropped on the device; a JPEG the
   device decoder refuses is decoded on the CPU, and one nothing decodes is a one-line error.
+
+nvjpeg decodes on a stream of its own that does not wait for the work already queued on the
+caller's stream, into memory that the caching allocator may just have taken back from that work
+(pytorch/vision#9606: gradients and activations overwritten). :meth:`DeviceTrainInput.decode_on_device`
+therefore decodes inside a side stream, whose memory pool holds only decoded images (each
+marked as used on the training stream, so that it is reused only after the training stream is
+done with it): no host sync, and the decode overlaps the training step. torchvision 0.29
+deprecates its decoders (pytorch/vision#9622); a torchvision without a device JPEG decoder makes
+``data.decode=gpu`` stop at start-up with one line naming it (use ``data.decode=cpu``), never a
+silent fall back to CPU decoding in the training process. TorchCodec's JPEG decoder is the
+successor torchvision names; moving to it must keep the stream rule above.
 
 Then :class:`DeviceTrainInput` does the float work once per batch on the device: colour
 jitter (each sample its own factors), normalisation, random erasing. Float conversion,
@@ -47,6 +59,7 @@ from torchvision.ops import roi_align
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as tvf
 
+from common.auto_augment import batch_policy
 from common.config import Decode
 from common.errors import UserError
 from common.image_batches import Normalize
@@ -324,6 +337,7 @@ class DeviceTrainInput:
         self.normalize = Normalize(mean, std, device)
         self.batch_augmentation = batch_augmentation
         self.grey_weights = torch.tensor(_GREY_WEIGHTS, device=device).view(1, 3, 1, 1)
+        self.decode_stream = torch.cuda.Stream(device) if self.decode == Decode.gpu and device.type == "cuda" else None
         if self.decode == Decode.gpu:
             if augmentation.per_sample_takes_pil:
                 raise UserError("data.decode=gpu runs the per-sample augmentation on the device, and this one "
@@ -332,6 +346,21 @@ class DeviceTrainInput:
             if augmentation.interpolation != "bilinear":
                 raise UserError(f"data.decode=gpu resizes bilinearly (roi_align), not {augmentation.interpolation}: "
                                 "set data.interpolation=bilinear or use data.decode=cpu")
+            self.check_the_decoder()
+        self.device_policy = None  # the per-sample policy, run on the device (decode=gpu) for a whole batch
+        if self.decode == Decode.gpu and augmentation.per_sample is not None:
+            self.device_policy = batch_policy(augmentation.per_sample)
+
+    def check_the_decoder(self) -> None:
+        """Decode a tiny JPEG on the device once: a torchvision without a device decoder is one
+        line at start-up, not a CPU decode of every image in the training process."""
+        jpeg = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(jpeg, "JPEG")
+        try:
+            self.decode_on_device([torch.frombuffer(bytearray(jpeg.getvalue()), dtype=torch.uint8)])
+        except Exception as error:  # a removed decoder may raise anything from AttributeError to RuntimeError
+            raise UserError(f"data.decode=gpu: torchvision {torchvision.__version__} cannot decode JPEGs on "
+                            f"{self.device} ({str(error).splitlines()[0]}); use data.decode=cpu") from error
 
     def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
         images = self.crops_on_device(batch) if self.decode == Decode.gpu else batch["image"]
@@ -357,11 +386,14 @@ class DeviceTrainInput:
         crops = crops.round_().clamp_(0, 255).to(torch.uint8)  # the per-sample policy sees uint8, as on the CPU
         flips = batch["flip"].to(self.device, non_blocking=True).view(-1, 1, 1, 1)
         crops = torch.where(flips, crops.flip(-1), crops)
-        if self.augmentation.per_sample is not None:
+        if self.device_policy is not None:  # each sample's ops drawn from its seed, applied to the batch
+            size = self.augmentation.size
             with torch.random.fork_rng(devices=[]):  # the policy draws from torch's CPU generator
-                for i, seed in enumerate(batch["seed"].tolist()):
+                draws = []
+                for seed in batch["seed"].tolist():
                     torch.default_generator.manual_seed(seed)
-                    crops[i] = self.augmentation.per_sample(crops[i])
+                    draws.append(self.device_policy.draw(size, size))
+            crops = self.device_policy.apply(crops, draws)
         return crops
 
     def decode_jpegs(self, pieces: list[torch.Tensor], paths: list[str]) -> list[torch.Tensor]:
@@ -382,32 +414,42 @@ class DeviceTrainInput:
             return torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)
 
     def decode_on_device(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Decode on the device, safe on every torchvision (see the module's docstring): nvjpeg's
+        outputs come from the side stream's pool, which never holds memory that work queued on
+        the training stream still uses, and the training stream waits for the decode."""
         with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders for TorchCodec's
             warnings.simplefilter("ignore", DeprecationWarning)
-            return torchvision.io.decode_jpeg(pieces, mode=torchvision.io.ImageReadMode.RGB, device=self.device)
+            if self.decode_stream is None:
+                return torchvision.io.decode_jpeg(pieces, mode=torchvision.io.ImageReadMode.RGB, device=self.device)
+            training_stream = torch.cuda.current_stream(self.device)
+            self.decode_stream.wait_stream(training_stream)
+            with torch.cuda.stream(self.decode_stream):
+                images = torchvision.io.decode_jpeg(pieces, mode=torchvision.io.ImageReadMode.RGB, device=self.device)
+            training_stream.wait_stream(self.decode_stream)
+        for image in images:
+            image.record_stream(training_stream)  # freed: reused once the training stream's work on it is done
+        return images
 
     def resized_crops(self, images: list[torch.Tensor], boxes: torch.Tensor) -> torch.Tensor:
         """float ``[B, 3, S, S]``: each image's box resized with ``roi_align`` (bilinear samples,
-        averaged over each output pixel's footprint when shrinking). Images of one size go through
-        one call; the boxes reach the device in one copy."""
-        by_shape: dict[tuple[int, ...], list[int]] = {}
-        for i, image in enumerate(images):
-            by_shape.setdefault(tuple(image.shape), []).append(i)
-        order = [i for members in by_shape.values() for i in members]
-        top, left, height, width = boxes[order].unbind(1)
-        in_group = torch.cat([torch.arange(len(members)) for members in by_shape.values()]).float()
-        rois = torch.stack([in_group, left, top, left + width, top + height], 1)  # x1, y1, x2, y2
+        averaged over each output pixel's footprint when shrinking). Each image is cut to its box
+        in uint8 before the float conversion, with a pixel of margin, all its bilinear samples
+        read: a whole 12-megapixel photo in float32 is 146 MB. The boxes reach the device in one copy."""
+        regions, rois = [], []
+        for image, (top, left, height, width) in zip(images, boxes.tolist()):
+            first_row, first_col = max(0, math.floor(top) - 1), max(0, math.floor(left) - 1)
+            end_row = min(image.shape[1], math.ceil(top + height) + 1)
+            end_col = min(image.shape[2], math.ceil(left + width) + 1)
+            regions.append(image[:, first_row:end_row, first_col:end_col])
+            left, top = left - first_col, top - first_row
+            rois.append([0, left, top, left + width, top + height])  # image index, x1, y1, x2, y2
+        rois = torch.tensor(rois)
         if self.device.type == "cuda":
             rois = rois.pin_memory()
         rois = rois.to(self.device, non_blocking=True)
-        size, outputs, start = self.augmentation.size, {}, 0
-        for members in by_shape.values():
-            group = torch.stack([images[i] for i in members]).float()
-            crops = roi_align(group, rois[start : start + len(members)], size, spatial_scale=1.0,
-                              sampling_ratio=-1, aligned=True)
-            outputs |= {i: crop for i, crop in zip(members, crops)}
-            start += len(members)
-        return torch.stack([outputs[i] for i in range(len(images))])
+        size = self.augmentation.size
+        return torch.cat([roi_align(region[None].float(), rois[i : i + 1], size, spatial_scale=1.0, sampling_ratio=-1,
+                                    aligned=True) for i, region in enumerate(regions)])
 
     def colour_jitter(self, images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         """torchvision's ColorJitter on 0-255 floats, each sample with its own factors and order."""

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
 from typing import Any
+
+import torch
 
 from common.errors import UserError
 from common.optim import accumulation_steps
@@ -27,6 +29,17 @@ class EpochTail(str, Enum):
     keep = "keep"  # every sample: the last micro-batch may be shorter, the last step have fewer micro-batches
     drop_partial_batch = "drop_partial_batch"  # full micro-batches only (BatchNorm); the last step may have fewer
     drop_partial_step = "drop_partial_step"  # full optimizer steps only; the rest of the epoch is left out
+
+
+def compile_static(model: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile`` for ``trainer.compile``, with static shapes.
+
+    With :attr:`EpochTail.keep` an epoch ends with a shorter micro-batch. By default the compiler
+    then recompiles with a dynamic batch dimension, and every full batch after it runs that more
+    general, slower graph. Static, the short batch gets a graph of its own (one more compilation)
+    and full batches keep theirs.
+    """
+    return torch.compile(model, dynamic=False)
 
 
 class MicroBatches:

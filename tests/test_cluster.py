@@ -353,6 +353,72 @@ def test_torchrun_does_not_report_75_when_a_worker_died_without_its_checkpoint(f
     assert "checkpointed and stopped" not in output
 
 
+# A torchrun worker whose stop checkpoint takes TEST_STOP_SECONDS: on SIGTERM it takes that long,
+# then records and exits with 75, as a recipe does.
+SLOW_STOP_WORKER = """\
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from common.entry import record_exit_code
+
+stop = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+Path(os.environ["TEST_READY"]).touch()
+while not stop:
+    time.sleep(0.1)
+time.sleep(float(os.environ["TEST_STOP_SECONDS"]))
+record_exit_code(75)
+print("stop checkpoint written", flush=True)
+sys.exit(75)
+"""
+
+# cluster/torchrun.py on a torch whose torchrun has no shutdown window (torch 2.11): its agent
+# stops the workers with close(death_sig), i.e. with PContext.close's hard-coded 30 s.
+LAUNCHER_ON_TORCH_2_11 = """\
+import signal
+
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+import cluster.torchrun as launcher
+
+
+def shutdown_as_torch_2_11(self, death_sig=signal.SIGTERM, timeout=30):
+    if self._pcontext:
+        self._pcontext.close(death_sig)
+
+
+LocalElasticAgent._shutdown = shutdown_as_torch_2_11
+launcher.torchrun_has_shutdown_timeout = lambda: False
+launcher.main()
+"""
+
+
+def test_torchrun_gives_the_stop_checkpoint_its_window_where_torch_hard_codes_30_s(tmp_path: Path):
+    """A stop checkpoint of 33 s, longer than the 30 s torch 2.11 gives its workers, ends with
+    exit code 75: the launcher's window (120 s) holds there too. About 40 s."""
+    (tmp_path / "slow_stop_worker.py").write_text(SLOW_STOP_WORKER)
+    (tmp_path / "launcher_on_torch_2_11.py").write_text(LAUNCHER_ON_TORCH_2_11)
+    ready = tmp_path / "ready"
+    env = recipe_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), TEST_READY=str(ready),
+                     TEST_STOP_SECONDS="33")
+    env.pop("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", None)
+    launcher = subprocess.Popen([sys.executable, str(tmp_path / "launcher_on_torch_2_11.py"), "--standalone",
+                                 "--nproc-per-node=1", "-m", "slow_stop_worker"],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 75, output
+    assert "stop checkpoint written" in output
+
+
 # ---- the scripts and the submitit launcher config -------------------------------------------
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))

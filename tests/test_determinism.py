@@ -37,3 +37,18 @@ def test_otherwise_tf32_and_cudnn_autotuning_on_cuda_only(monkeypatch: pytest.Mo
     configure_determinism(False, "cpu")
     assert not torch.backends.cudnn.benchmark
     assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_both_tf32_apis_read_the_setting(monkeypatch: pytest.MonkeyPatch, restore_defaults: None,
+                                         deterministic: bool) -> None:
+    """The legacy readers (which Inductor's autotuning uses) and the new one agree, and none
+    raises "mix of the legacy and new APIs"; CPU (oneDNN) matmuls keep their precision."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cpu_precision = torch.backends.mkldnn.matmul.fp32_precision
+    configure_determinism(deterministic, "auto")
+    tf32 = not deterministic
+    assert torch.backends.cuda.matmul.allow_tf32 is tf32
+    assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
+    assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
+    assert torch.backends.mkldnn.matmul.fp32_precision == cpu_precision

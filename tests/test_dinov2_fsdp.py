@@ -33,9 +33,11 @@ PROBE_STEPS, TOTAL_STEPS = 4, 12  # 32 images / global batch 8 = 4 steps per epo
 
 
 def tiny_dinov2_config():
+    """Pretrained at 42 px (3x3 patches) and trained at 28 (2x2), as the published weights are
+    pretrained at 518 px and trained at 224: the recipe resamples the position table once."""
     from transformers import Dinov2Config
 
-    return Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=28,
+    return Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=42,
                         patch_size=14)
 
 
@@ -106,6 +108,8 @@ def test_probe_then_finetune_with_the_backbone_frozen_in_stage_one(
 ) -> None:
     from transformers import Dinov2Model
 
+    from recipes.dinov2_fsdp.model import fit_position_table
+
     summary = read_summary(reference)
     assert summary["steps"] == TOTAL_STEPS and summary["epochs"] == 3 and summary["world_size"] == 2
     assert summary["stage"] == "finetune"
@@ -114,7 +118,9 @@ def test_probe_then_finetune_with_the_backbone_frozen_in_stage_one(
            f"{TOTAL_STEPS - PROBE_STEPS} fine-tune steps" in stdout
     assert f"stage finetune: backbone unfrozen, lr 0.00625 at step {PROBE_STEPS}" in stdout
 
-    pretrained = Dinov2Model.from_pretrained(pretrained_dir).state_dict()
+    backbone = Dinov2Model.from_pretrained(pretrained_dir)
+    fit_position_table(backbone, 28)  # as the recipe builds it: the table resampled to the training size
+    pretrained = backbone.state_dict()
     end_of_probe = sharded_tensors(reference, PROBE_STEPS, tmp_path)
     first_finetune = sharded_tensors(reference, PROBE_STEPS + 1, tmp_path)
 
@@ -306,6 +312,35 @@ def test_transformers_architectures_build_offline_from_the_table() -> None:
                                     features="cls_patch_mean"))
     assert model.embed_dim == 384 and len(model.blocks) == 12 and model.head.in_features == 768
     assert model(torch.zeros(2, 3, 56, 56)).shape == (2, 100)
+
+
+def test_the_position_table_is_resampled_once_to_the_training_size(pretrained_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights pretrained at 42 px, trained at 28: the table is resampled when the model is built
+    and no forward interpolates it (its bicubic backward has no deterministic CUDA kernel); the
+    model computes what transformers' per-forward interpolation computed."""
+    from transformers import Dinov2Model
+
+    from recipes.dinov2_fsdp.config import ModelConfig
+    from recipes.dinov2_fsdp.model import build_model
+
+    model = build_model(ModelConfig(weights=str(pretrained_dir), image_size=28)).eval()
+    assert model.backbone.embeddings.position_embeddings.shape == (1, 2 * 2 + 1, 32)
+    assert model.backbone.config.image_size == 28
+    images = torch.randn(2, 3, 28, 28)
+    interpolate, interpolations = torch.nn.functional.interpolate, []
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        interpolations.append(kwargs.get("mode"))
+        return interpolate(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "interpolate", spy)
+    with torch.no_grad():
+        tokens = model.backbone(pixel_values=images).last_hidden_state
+        assert interpolations == []
+        expected = Dinov2Model.from_pretrained(pretrained_dir).eval()(pixel_values=images).last_hidden_state
+    assert interpolations == ["bicubic"], "the pretrained model as transformers loads it interpolates per forward"
+    torch.testing.assert_close(tokens, expected)
 
 
 def test_timm_backbone_loads_a_local_weights_file_and_freezes(tmp_path: Path) -> None:

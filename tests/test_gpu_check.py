@@ -6,11 +6,13 @@ import json
 import shutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check import RECIPES, CheckFailed, judge_syncs, step_lines
+from benchmarks import gpu_check
+from benchmarks.gpu_check import COMPILED, RECIPES, CheckFailed, judge_syncs, step_lines, sync_site
 from benchmarks.run import HAND_END, HAND_START
 from tests.conftest import REPO, assert_ok, recipe_env
 
@@ -73,3 +75,88 @@ def test_a_sync_inside_the_step_fails_and_one_in_the_logging_branch_does_not(tmp
     syncs.write_text(json.dumps({str(reduce_for_logging): 3, str(backward): 32}))
     with pytest.raises(CheckFailed, match=f"train.py:{backward} x32"):
         judge_syncs(syncs)
+
+
+def test_a_sync_in_a_helper_is_judged_by_the_frame_that_called_it_from_the_step(tmp_path: Path) -> None:
+    """A sync in a function defined in train.py counts where the step called it: walking outward
+    from the innermost train.py frame, the first inside the step decides."""
+    train_py = REPO / "recipes" / "fashion_mnist" / "train.py"
+    step, allowed = step_lines(train_py)
+    lines = train_py.read_text().splitlines()
+    helper = next(n for n, line in enumerate(lines, 1) if line.startswith("def ")) + 1  # a body line outside the step
+    reduce_for_logging = next(n for n, line in enumerate(lines, 1) if "train_sums.reduce()" in line)
+    backward = next(n for n, line in enumerate(lines, 1) if ".backward()" in line)
+    assert helper not in step
+    syncs = tmp_path / "fashion_mnist" / "syncs.json"
+    syncs.parent.mkdir()
+    syncs.write_text(json.dumps({f"{helper},{reduce_for_logging}": 2, str(helper): 5, "outside train.py": 1}))
+    assert judge_syncs(syncs) == "none in the step; 2 in logging/checkpoint branches, 6 outside the step"
+    syncs.write_text(json.dumps({f"{helper},{backward}": 4}))
+    with pytest.raises(CheckFailed, match=rf"train.py:{backward} \(in train.py:{helper}\) x4"):
+        judge_syncs(syncs)
+
+
+def test_the_tracer_records_every_train_py_frame_innermost_first() -> None:
+    train_py = "/repo/recipes/r/train.py"
+    stack = traceback.StackSummary.from_list([
+        traceback.FrameSummary("runpy.py", 5, "_run_code"), traceback.FrameSummary(train_py, 87, "main"),
+        traceback.FrameSummary("torch/nn/module.py", 3, "__call__"), traceback.FrameSummary(train_py, 212, "helper"),
+        traceback.FrameSummary("torch/_tensor.py", 9, "item")])
+    assert sync_site(stack, train_py) == "212,87"
+    assert sync_site(stack[:1], train_py) == "outside train.py"
+
+
+# Makes two packages unimportable, as on a GPU machine whose Python lacks them.
+BLOCK_PACKAGES = """\
+import sys
+
+
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("hydra", "simsimd"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Blocked())
+"""
+
+
+def test_missing_packages_are_one_line_naming_them_before_any_work(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(BLOCK_PACKAGES)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick",
+                             "--work-dir", str(tmp_path / "work")],
+                            cwd=REPO, env=recipe_env(PYTHONPATH=str(tmp_path)), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and result.stdout == "", result.stderr
+    assert result.stderr.startswith("error: gpu-check needs Python packages that ")
+    assert ": hydra-core, simsimd (run `make setup`" in result.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_quick_runs_every_check_and_neither_figures_nor_compilation(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each mode runs, with the runs themselves stubbed out (the whole sequence runs above)."""
+    recipe_runs, figures = {}, []
+    monkeypatch.setattr(gpu_check, "write_datasets", lambda root: {recipe: [] for recipe in RECIPES})
+    monkeypatch.setattr(gpu_check, "check_recipe", lambda report, recipe, overrides, device, work, compile_too:
+                        recipe_runs.__setitem__(recipe, compile_too))
+    monkeypatch.setattr(gpu_check, "check_sync_batchnorm", lambda device, work: "stub")
+    for name in ("resnet50_figures", "vit_figures", "checkpoint_stall_figures", "overhead_figures"):
+        monkeypatch.setattr(gpu_check, name, lambda *args, name=name: figures.append(name) or [])
+    for quick in (True, False):
+        recipe_runs.clear()
+        figures.clear()
+        report = tmp_path / f"report-{quick}.json"
+        code = gpu_check.main(["--device", "cpu", "--work-dir", str(tmp_path / "work"), "--json", str(report),
+                               *(["--quick"] if quick else [])])
+        assert code == 0
+        checks = [check["name"] for check in json.loads(report.read_text())["checks"]]
+        assert "tv_segmentation: synchronised BatchNorm across 2 processes" in checks
+        assert sorted(recipe_runs) == sorted(RECIPES)
+        if quick:
+            assert figures == [] and not any(recipe_runs.values())
+        else:
+            assert figures == ["resnet50_figures", "vit_figures", "checkpoint_stall_figures", "overhead_figures"]
+            assert {recipe for recipe, compiled in recipe_runs.items() if compiled} == set(COMPILED)

@@ -16,7 +16,9 @@ from PIL import Image
 from scipy.stats import ks_2samp
 from timm.data import create_transform
 from timm.data.transforms import RandomResizedCropAndInterpolation
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Dataset
+from torchvision.ops import roi_align
 from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import functional as tvf
 
@@ -192,6 +194,55 @@ def test_the_device_path_runs_the_policy_on_uint8_seeded_per_sample(cases: dict[
     pil_policy = TrainAugmentation(size=SIZE, per_sample=lambda image: image, per_sample_takes_pil=True)
     with pytest.raises(UserError, match="works on PIL images only"):
         DeviceTrainInput(pil_policy, Decode.gpu, (0.5,) * 3, (0.5,) * 3, CPU)
+
+
+class FloatCopies(TorchDispatchMode):
+    """Records the number of elements of every float32 copy made (``.float()``, ``.to(float32)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (PyTorch's protocol)
+        result = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and result.dtype == torch.float32:
+            self.sizes.append(result.numel())
+        return result
+
+
+def test_device_crops_cut_each_image_to_its_box_in_uint8_before_the_float_conversion() -> None:
+    """decode=gpu: a small box of a large photo becomes float at the size of the box (plus the
+    pixel of margin bilinear sampling reads), with the pixels roi_align gives on the whole image."""
+    to_model = DeviceTrainInput(TrainAugmentation(size=16), Decode.gpu, (0.0,) * 3, (1 / 255,) * 3, CPU)
+    generator = torch.Generator().manual_seed(0)
+    images = [torch.randint(0, 256, (3, 600, 800), dtype=torch.uint8, generator=generator) for _ in range(2)]
+    images.append(torch.randint(0, 256, (3, 90, 40), dtype=torch.uint8, generator=generator))
+    boxes = torch.tensor([[100.5, 200.25, 40.0, 30.5], [560.0, 0.0, 40.0, 50.0], [0.0, 0.0, 90.0, 40.0]])
+    with FloatCopies() as copies:
+        crops = to_model.resized_crops(images, boxes)
+    # The boxes and a pixel around them, not past an edge: rows 99-141 and columns 199-231, rows
+    # 559-599 and columns 0-50; the small image is all box.
+    assert copies.sizes == [3 * 43 * 33, 3 * 41 * 51, 3 * 90 * 40]
+    for image, box, crop in zip(images, boxes.tolist(), crops):
+        top, left, height, width = box
+        whole = roi_align(image[None].float(), torch.tensor([[0, left, top, left + width, top + height]]), 16,
+                          spatial_scale=1.0, sampling_ratio=-1, aligned=True)[0]
+        torch.testing.assert_close(crop, whole, rtol=0, atol=1e-2)
+
+
+def test_a_torchvision_without_a_device_decoder_stops_decode_gpu_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When torchvision drops its decoders (deprecated in 0.29), data.decode=gpu refuses to start
+    rather than decode every image on the CPU of the training process."""
+    import torchvision
+
+    def removed(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("decode_jpeg was removed: use TorchCodec")
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", removed)
+    with pytest.raises(UserError, match=r"^data.decode=gpu: torchvision \S+ cannot decode JPEGs on cpu "
+                                        r"\(decode_jpeg was removed: use TorchCodec\); use data.decode=cpu$"):
+        DeviceTrainInput(TrainAugmentation(size=SIZE), Decode.gpu, (0.5,) * 3, (0.5,) * 3, CPU)
+    DeviceTrainInput(TrainAugmentation(size=SIZE), Decode.cpu, (0.5,) * 3, (0.5,) * 3, CPU)  # cpu needs none
 
 
 def test_colour_jitter_on_the_device_is_torchvision_s_per_sample() -> None:

@@ -22,7 +22,7 @@ from common.metrics import SumMetrics
 from common.rng import rng_state, seed_everything, set_rng_state
 from common.run import CheckpointCadence, StopSignals, TrainingRun
 from common.sampler import ResumableDistributedSampler
-from common.steps import EpochTail, StepPlan
+from common.steps import EpochTail, StepPlan, compile_static
 from tests.conftest import assert_ok, read_summary, run_recipe, spawn_ranks
 
 
@@ -212,6 +212,30 @@ def test_a_step_must_use_all_its_micro_batches() -> None:
     next(iter(first))  # one of its two micro-batches
     with pytest.raises(RuntimeError, match="used 1 of its 2 micro-batches"):
         next(groups)
+
+
+def test_compiled_full_batches_keep_their_static_graph_after_the_epochs_short_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EpochTail.keep epoch: full, short, then full micro-batches through trainer.compile's
+    forward. The short one gets a static graph of its own; the next full one runs the first graph
+    again, not a graph made dynamic by the short batch (the compiler's default)."""
+    graphs: list[bool] = []  # per graph compiled: whether a dimension of its inputs is symbolic
+
+    def recording_backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(any(isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and any(
+            isinstance(size, torch.SymInt) for size in value.shape)) for value in example_inputs))
+        return graph.forward
+
+    compile_with = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **options: compile_with(model, backend=recording_backend,
+                                                                                **options))
+    torch._dynamo.reset()
+    model = torch.nn.Linear(4, 2)
+    forward = compile_static(model)
+    for batch in (8, 3, 8, 8):
+        assert forward(torch.randn(batch, 4)).shape == (batch, 2)
+    assert graphs == [False, False], "one static graph for full batches, one for the short batch"
+    torch._dynamo.reset()
 
 
 def test_too_few_samples_for_one_step_is_a_user_error() -> None:

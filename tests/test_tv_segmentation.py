@@ -19,6 +19,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from PIL import Image
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from common.data import PerSampleSeeded, make_loader
 from common.distributed import DistInfo
@@ -43,6 +44,7 @@ from recipes.tv_segmentation.sync_batchnorm import AllReduceBatchNorm, convert_s
 from recipes.tv_segmentation.train import evaluate
 from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe, spawn_ranks
 from tests.resume import kill_signal_resume
+from tests.test_host_syncs import SyncingOps
 from tools.tiny_data import write_coco, write_voc
 
 RECIPE = "tv_segmentation"
@@ -136,7 +138,7 @@ def _sync_batchnorm_rank(rank: int) -> None:
     nn.init.normal_(norm.weight)
     nn.init.normal_(norm.bias)
     reference = copy.deepcopy(norm)
-    converted_model, converted = convert_sync_batchnorm(nn.Sequential(norm), torch.device("cpu"))
+    converted_model, converted = convert_sync_batchnorm(nn.Sequential(norm))
     synced = converted_model[0]
     assert converted == 1 and isinstance(synced, AllReduceBatchNorm)
 
@@ -144,7 +146,9 @@ def _sync_batchnorm_rank(rank: int) -> None:
     (reference(full_input) * upstream).sum().backward()
     shard = slice(2 * rank, 2 * rank + 2)
     local_input = global_batch[shard].clone().requires_grad_()
-    output = synced(local_input)
+    with SyncingOps() as syncing:  # nn.SyncBatchNorm selects the ranks' counts with a boolean mask
+        output = synced(local_input)
+    assert syncing.seen == []
     (output * upstream[shard]).sum().backward()
 
     expected = nn.functional.batch_norm(global_batch, None, None, reference.weight, reference.bias, True)
@@ -167,6 +171,17 @@ def _sync_batchnorm_rank(rank: int) -> None:
 
 def test_sync_batchnorm_on_two_gloo_ranks_equals_batchnorm_on_the_global_batch() -> None:
     spawn_ranks(_sync_batchnorm_rank)
+
+
+def test_every_batchnorm_becomes_the_all_reduce_one_whatever_the_device() -> None:
+    """On CUDA too: nn.SyncBatchNorm's forward makes a host sync in every layer."""
+    from torchvision.models.segmentation import deeplabv3_mobilenet_v3_large
+
+    model = deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3)
+    norms = sum(isinstance(module, nn.BatchNorm2d) for module in model.modules())
+    converted_model, converted = convert_sync_batchnorm(model)
+    kinds = {type(module) for module in converted_model.modules() if isinstance(module, _BatchNorm)}
+    assert converted == norms > 0 and kinds == {AllReduceBatchNorm}
 
 
 # ------------------------------------------------------------------------------- evaluation

@@ -129,7 +129,7 @@ def dinov2_backbone(factory: pytest.TempPathFactory) -> Path:
     def make(path: Path) -> Path:
         torch.manual_seed(123)
         Dinov2Model(Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2,
-                                 image_size=28, patch_size=14)).save_pretrained(path)
+                                 image_size=42, patch_size=14)).save_pretrained(path)  # the runs train at 28 px
         return path
 
     return shared_run("dinov2_backbone", factory, make)

@@ -211,4 +211,36 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_loggers.py::test_tensorboard_writes_events",),
         "TensorBoard shows empty runs (the event file exists: SummaryWriter creates it at once)",
     ),
+    # ---- issue 24: what the second read of the GPU paths found -----------------------------------
+    Mutation(
+        "stop-window-hard-coded-by-torch", "cluster/torchrun.py",
+        "        close(self, death_sig, seconds)", "        close(self, death_sig, timeout)",
+        ("tests/test_cluster.py::test_torchrun_gives_the_stop_checkpoint_its_window_where_torch_hard_codes_30_s",),
+        "on torch 2.11 a stop checkpoint that takes over 30 s is killed mid-save, and the job exits 1, not 75",
+    ),
+    Mutation(
+        "compiled-batch-dimension-made-dynamic", "common/steps.py",
+        "    return torch.compile(model, dynamic=False)", "    return torch.compile(model)",
+        ("tests/test_run.py::test_compiled_full_batches_keep_their_static_graph_after_the_epochs_short_batch",),
+        "after an epoch's short last batch, every compiled step runs a slower dynamic-shape graph",
+    ),
+    Mutation(
+        "tf32-through-the-new-api-only", "common/determinism.py",
+        "    torch.backends.cuda.matmul.allow_tf32 = fast_cuda",
+        '    torch.backends.cuda.matmul.fp32_precision = "tf32" if fast_cuda else "ieee"',
+        ("tests/test_determinism.py::test_both_tf32_apis_read_the_setting",),
+        "Inductor's autotuning (any reader of allow_tf32) raises 'mix of the legacy and new APIs'",
+    ),
+    Mutation(
+        "position-table-interpolated-in-every-forward", "recipes/dinov2_fsdp/model.py",
+        "        fit_position_table(backbone, cfg.image_size)", "        pass",
+        ("tests/test_dinov2_fsdp.py::test_the_position_table_is_resampled_once_to_the_training_size",),
+        "with trainer.deterministic=true on a GPU, the fine-tune stage fails at its first step",
+    ),
+    Mutation(
+        "sync-judged-by-its-innermost-frame", "benchmarks/gpu_check.py",
+        'map(int, site.split(","))', 'map(int, site.split(",")[:1])',
+        ("tests/test_gpu_check.py::test_a_sync_in_a_helper_is_judged_by_the_frame_that_called_it_from_the_step",),
+        "a host sync in a helper that the training step calls passes make gpu-check",
+    ),
 ]

@@ -3,7 +3,8 @@
 The dataset (150 MB) lives on the device, so a batch is one gather and the augmentation runs
 on tensors where the model runs: no DataLoader workers, no PIL. Every random draw comes from
 the step's seeded generator (crop, flip, rotation, erasing) or from global generators seeded
-for the step and restored afterwards (torchvision's TrivialAugment/RandAugment, timm's Mixup),
+for the step and restored afterwards (TrivialAugment/RandAugment, drawn as torchvision draws them
+and applied to the whole batch by ``common.auto_augment``; timm's Mixup),
 so a run resumed at step ``s`` augments exactly as the uninterrupted run did.
 """
 
@@ -16,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from timm.data import Mixup
 from timm.data.mixup import mixup_target
-from torchvision.transforms import v2
 
 from common import cifar100
+from common.auto_augment import BatchAutoAugment
 from common.config import MixupConfig
 from common.errors import UserError
 from common.image_batches import Normalize, random_crop_and_flip
@@ -86,11 +87,11 @@ class TrainAugmentation:
         self.normalize = normalize
         self.num_classes = num_classes
         self.label_smoothing = label_smoothing
-        self.policy: v2.Transform | None = None
+        self.policy: BatchAutoAugment | None = None  # torchvision's, for the whole batch at once
         if cfg.auto_augment == "trivialaugment":
-            self.policy = v2.TrivialAugmentWide()
+            self.policy = BatchAutoAugment.trivial_augment_wide()
         elif cfg.auto_augment == "randaugment":
-            self.policy = v2.RandAugment(num_ops=cfg.randaugment_ops, magnitude=cfg.randaugment_magnitude)
+            self.policy = BatchAutoAugment.rand_augment(cfg.randaugment_ops, cfg.randaugment_magnitude)
         self.mixup = None
         if mixup.mixup_alpha > 0 or mixup.cutmix_alpha > 0:
             self.mixup = Mixup(mixup_alpha=mixup.mixup_alpha, cutmix_alpha=mixup.cutmix_alpha, prob=mixup.prob,
@@ -107,8 +108,9 @@ class TrainAugmentation:
         cfg = self.cfg
         images = random_crop_and_flip(images, cfg.random_crop_padding, cfg.horizontal_flip, generator)
         if self.policy is not None:
-            with seeded_global_rng(*rng_keys):
-                images = torch.stack([self.policy(image) for image in images])
+            with seeded_global_rng(*rng_keys):  # each image's ops, drawn as torchvision's policy draws them
+                draws = [self.policy.draw(*images.shape[-2:]) for _ in range(len(images))]
+            images = self.policy.apply(images, draws)
         images = images.float() / 255.0
         if cfg.rotation_degrees > 0:
             images = rotate(images, cfg.rotation_degrees, generator)

@@ -28,7 +28,7 @@ from common.precision import autocast, grad_scaler
 from common.rng import seed_everything, seeded_generator
 from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
-from common.steps import EpochTail, StepPlan
+from common.steps import EpochTail, StepPlan, compile_static
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config
 from recipes.cifar100_resnet50.data import MEAN, STD, TrainAugmentation, load_split
 from recipes.cifar100_resnet50.model import build_model
@@ -85,7 +85,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
         if dist_info.distributed else model
-    forward = torch.compile(ddp_model) if cfg.trainer.compile else ddp_model
+    forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- optimization: steps of accumulated micro-batches, LR rule, schedule ----------------
     sampler = ResumableDistributedSampler(

@@ -98,12 +98,15 @@ def transformers_config(cfg: ModelConfig) -> Any:
     weights = _local_weights(cfg)
     try:
         if cfg.pretrained:
-            return Dinov2Config.from_pretrained(str(weights or cfg.name))
-        if cfg.name in DINOV2_ARCHITECTURES:
-            return Dinov2Config(**DINOV2_ARCHITECTURES[cfg.name], image_size=cfg.image_size)
-        return Dinov2Config.from_pretrained(cfg.name)
+            config = Dinov2Config.from_pretrained(str(weights or cfg.name))
+        elif cfg.name in DINOV2_ARCHITECTURES:
+            config = Dinov2Config(**DINOV2_ARCHITECTURES[cfg.name])
+        else:
+            config = Dinov2Config.from_pretrained(cfg.name)
     except OSError as error:
         raise _unreachable(cfg, error) from error
+    config.image_size = cfg.image_size  # the position table is built for (or resampled to) the training size
+    return config
 
 
 def _transformers_backbone(cfg: ModelConfig) -> nn.Module:
@@ -118,6 +121,27 @@ def _transformers_backbone(cfg: ModelConfig) -> nn.Module:
     config = transformers_config(cfg)
     config._attn_implementation = "sdpa"
     return Dinov2Model(config)
+
+
+def fit_position_table(backbone: nn.Module, image_size: int) -> None:
+    """Resample a transformers DINOv2's position-embedding table to ``image_size`` once, as timm
+    does for ``img_size``.
+
+    A table made for another size (the published weights': 518 px) is interpolated bicubically in
+    every forward; once the backbone trains, that interpolation's backward has no deterministic
+    CUDA kernel, and ``trainer.deterministic=true`` fails at the first fine-tune step (it also
+    costs a resampling per forward). transformers' own interpolation makes the new table, so the
+    model computes what it computed with the old one.
+    """
+    embeddings = backbone.embeddings
+    table = embeddings.position_embeddings
+    positions = (image_size // backbone.config.patch_size) ** 2 + 1  # the patches and the CLS token
+    if table.shape[1] != positions:
+        tokens = torch.empty(1, positions, table.shape[-1], device="meta")  # only its shape is read
+        with torch.no_grad():
+            resized = embeddings.interpolate_pos_encoding(tokens, image_size, image_size)
+        embeddings.position_embeddings = nn.Parameter(resized.contiguous())
+    backbone.config.image_size = image_size
 
 
 def _timm_backbone(cfg: ModelConfig) -> nn.Module:
@@ -142,6 +166,8 @@ def build_model(cfg: ModelConfig) -> DinoClassifier:
     patch = backbone.config.patch_size if cfg.library == Library.transformers else backbone.patch_embed.patch_size[0]
     if cfg.image_size % patch:
         raise UserError(f"model.image_size={cfg.image_size} is not a multiple of the patch size {patch}")
+    if cfg.library == Library.transformers:
+        fit_position_table(backbone, cfg.image_size)  # timm's create_model did it for img_size
     if cfg.activation_checkpointing:
         if cfg.library == Library.transformers:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

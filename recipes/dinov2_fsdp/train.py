@@ -32,7 +32,7 @@ from common.precision import autocast
 from common.rng import seed_everything, seeded_generator
 from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
-from common.steps import EpochTail, StepPlan
+from common.steps import EpochTail, StepPlan, compile_static
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig
 from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
 from recipes.dinov2_fsdp.model import build_model, refresh_mixed_precision, shard_with_fsdp
@@ -130,7 +130,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     compute_precision = "fp32" if sharded else cfg.trainer.precision  # FSDP casts parameters itself
     if cfg.trainer.compile:  # each block's forward; FSDP's hooks around it stay eager
         for block in model.blocks:
-            block.forward = torch.compile(block.forward)
+            block.forward = compile_static(block.forward)
 
     # ---- steps of accumulated micro-batches and the two stages' plan -------------------------
     sampler = ResumableDistributedSampler(

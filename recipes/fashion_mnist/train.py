@@ -26,7 +26,7 @@ from common.precision import autocast, grad_scaler
 from common.rng import seed_everything, seeded_generator
 from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
-from common.steps import EpochTail, StepPlan
+from common.steps import EpochTail, StepPlan, compile_static
 from recipes.fashion_mnist.config import FashionMNISTConfig
 from recipes.fashion_mnist.data import BLACK, load_split, normalize
 from recipes.fashion_mnist.model import build_model
@@ -76,7 +76,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         model = model.to(memory_format=torch.channels_last)
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
         if dist_info.distributed else model
-    forward = torch.compile(ddp_model) if cfg.trainer.compile else ddp_model
+    forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- optimization: steps of accumulated micro-batches, LR rule, schedule ----------------
     sampler = ResumableDistributedSampler(

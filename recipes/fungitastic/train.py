@@ -34,7 +34,7 @@ from common.precision import autocast, grad_scaler
 from common.rng import seed_everything
 from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
-from common.steps import EpochTail, StepPlan
+from common.steps import EpochTail, StepPlan, compile_static
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import FungiTasticConfig
 from recipes.fungitastic.data import Split, load_split, train_augmentation
@@ -158,7 +158,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         model = model.to(memory_format=torch.channels_last)
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
         if dist_info.distributed else model
-    forward = torch.compile(ddp_model) if cfg.trainer.compile else ddp_model
+    forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- loaders: workers draw each sample's augmentation, seeded per (seed, epoch, index), and
     # decode and crop it (data.decode=cpu) or leave that to the device (gpu); normalised on the device

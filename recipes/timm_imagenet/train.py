@@ -44,7 +44,7 @@ from common.rng import seed_everything, seeded_global_rng
 from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
 from common.staging import stage_directory
-from common.steps import EpochTail, StepPlan
+from common.steps import EpochTail, StepPlan, compile_static
 from recipes.timm_imagenet.config import TimmImageNetConfig
 from recipes.timm_imagenet.data import (
     check_layout,
@@ -133,7 +133,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
         if dist_info.distributed else model
-    forward = torch.compile(ddp_model) if cfg.trainer.compile else ddp_model
+    forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- samplers, loaders, steps: full micro-batches only, as in timm (BatchNorm) -------------
     mixing = cfg.mixup.mixup_alpha > 0 or cfg.mixup.cutmix_alpha > 0

@@ -28,7 +28,7 @@ from common.precision import autocast, grad_scaler
 from common.rng import seed_everything
 from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
-from common.steps import EpochTail, StepPlan
+from common.steps import EpochTail, StepPlan, compile_static
 from recipes.tv_segmentation.config import TvSegmentationConfig
 from recipes.tv_segmentation.data import (
     MEAN,
@@ -103,17 +103,17 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                              collate_fn=pad_collate, generator=torch.Generator())
     normalize = Normalize(MEAN, STD, device)  # the loaders hand over uint8
 
-    # ---- model: torchvision by name, SyncBatchNorm under DDP ---------------------------------
+    # ---- model: torchvision by name, synchronised BatchNorm under DDP -------------------------
     model = build_model(cfg.model)
     synced_norms = 0
     if dist_info.distributed and cfg.model.sync_batchnorm:
-        model, synced_norms = convert_sync_batchnorm(model, device)
+        model, synced_norms = convert_sync_batchnorm(model)
     model = model.to(device)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
         if dist_info.distributed else model
-    forward = torch.compile(ddp_model) if cfg.trainer.compile else ddp_model
+    forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- optimization: SGD with momentum, aux head at 10x LR, warmup + poly schedule ----------
     lr = scaled_lr(cfg.optim.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
