@@ -168,9 +168,11 @@ class RunLock:
         self.holder = Holder.this_process()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._made_folder = False
 
     def acquire(self) -> None:
         """Take the lock, or raise :class:`RunLockHeld` naming its holder."""
+        self._made_folder = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
         for _ in range(10):  # each round either ends or saw the lock change hands
             if _write_exclusive(self.path, self.holder):
@@ -232,13 +234,17 @@ class RunLock:
                 os.utime(self.path)
 
     def release(self) -> None:
-        """Stop the heartbeat and delete the lock file if it still names this process."""
+        """Stop the heartbeat and delete the lock file if it still names this process, and the
+        folder if the lock made it and a run that stopped at once left it empty."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if _read(self.path) == self.holder:
             self.path.unlink(missing_ok=True)
+            if self._made_folder:
+                with contextlib.suppress(OSError):  # not empty: the run wrote there
+                    self.folder.rmdir()
 
 
 @contextlib.contextmanager
