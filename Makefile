@@ -19,7 +19,7 @@ WHICH ?=
 SPLIT ?=
 DEVICE ?= cuda
 
-.PHONY: help setup lint test stress-exit mutation-check bench gpu-check compare export new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test eval stress-exit mutation-check bench gpu-check compare export new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path] [RUN=run dir]"
@@ -54,13 +54,16 @@ endif
 CHECKPOINT_ARGS = "$(or $(RUN),$(error RUN=<run dir | checkpoint folder | checkpoint> is required))" \
 	$(if $(WHICH),--which "$(WHICH)")
 
-eval-%: $(STAMP) FORCE ## Evaluate a checkpoint: RUN=<run dir> [WHICH=latest|best|<name>] [SPLIT=val|test] [ARGS=...] [NPROC=n]
+eval: $(STAMP) FORCE ## Evaluate a checkpoint (the recipe is the run's): RUN=<run dir> [WHICH=latest|best|<name>] [SPLIT=...] [ARGS=...] [NPROC=n]
 ifeq ($(NPROC),1)
-	$(PY) -m recipes.$*.evaluate $(CHECKPOINT_ARGS) $(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
+	$(PY) -m common.evaluate $(CHECKPOINT_ARGS) $(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
 else
-	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m recipes.$*.evaluate $(CHECKPOINT_ARGS) \
+	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m common.evaluate $(CHECKPOINT_ARGS) \
 		$(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
 endif
+
+eval-%: eval ## The same as make eval (kept for the recipe-named habit)
+	@:
 
 export: $(STAMP) FORCE ## Weights as safetensors + metadata.json: RUN=<run dir> [WHICH=latest|best|<name>] [OUT=dir] [ARGS=...]
 	$(PY) -m common.export $(CHECKPOINT_ARGS) $(if $(OUT),--out "$(OUT)") $(ARGS)

@@ -102,15 +102,17 @@ def fashion_mnist(workdir: Path) -> Pipeline:
 def cifar100_resnet50(workdir: Path) -> Pipeline:
     import tarfile
 
-    from recipes.cifar100_resnet50.data import MEAN, STD, TrainAugmentation, load_split
+    from common.cifar100 import load_split
+    from recipes.cifar100_resnet50.data import MEAN, STD, BatchAugmentation
     from recipes.cifar100_resnet50.model import build_model
 
     root = workdir / "cifar100"
     with tarfile.open(write_cifar100_tarball(workdir / "cifar100.tar.gz", n_train=1024, n_test=16)) as tar:
         tar.extractall(root, filter="data")
     cfg = compose_config("cifar100_resnet50", [f"data.root={root}"])
-    images, labels = load_split(root, "train")
-    augmentation = TrainAugmentation(cfg.data, cfg.mixup, cfg.optim.label_smoothing,
+    train = load_split(root, "train")
+    images, labels = train.images, train.labels
+    augmentation = BatchAugmentation(cfg.data, cfg.mixup, cfg.optim.label_smoothing,
                                      Normalize(MEAN, STD, images.device, input_max=1))
     size = cfg.trainer.batch_size
 

@@ -16,7 +16,7 @@ import torch
 from benchmarks.results import Result
 from common.precision import autocast
 from recipes.tv_segmentation.config import ModelConfig
-from recipes.tv_segmentation.model import build_model, param_groups, segmentation_loss
+from recipes.tv_segmentation.model import build_model, head_lr_groups, segmentation_loss
 
 PRESETS = {"fcn_resnet101": 1e-4, "deeplabv3_mobilenet_v3_large": 1e-6}  # model: weight decay
 
@@ -32,7 +32,7 @@ def images_per_second(name: str, weight_decay: float, device: torch.device, crop
     model = build_model(ModelConfig(name=name)).to(device).train()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(param_groups(model, aux_lr=0.1), lr=0.01, momentum=0.9, weight_decay=weight_decay)
+    optimizer = torch.optim.SGD(head_lr_groups(model, aux_lr=0.1), lr=0.01, momentum=0.9, weight_decay=weight_decay)
     images = torch.randn(batch, 3, crop, crop, device=device)
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)

@@ -63,6 +63,7 @@ def find_folder(root: str | Path) -> Path:
 
 
 def load_split(root: str | Path, split: str) -> Cifar100Split:
+    """One split's images (uint8) and labels, checked: any problem is one line naming the file."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
     path = find_folder(root) / split
@@ -76,7 +77,9 @@ def load_split(root: str | Path, split: str) -> Cifar100Split:
         raise UserError(f"{path} is not a valid CIFAR-100 pickle ({error})") from error
     if data.ndim != 2 or data.shape[1] != int(np.prod(IMAGE_SHAPE)) or len(data) != len(fine):
         raise UserError(f"{path}: data has shape {data.shape}, expected [N, 3072] with {len(fine)} labels")
-    if len(fine) and (fine.min() < 0 or fine.max() >= NUM_CLASSES):
+    if not len(fine):
+        raise UserError(f"the CIFAR-100 {split} split under {root} holds no images")
+    if fine.min() < 0 or fine.max() >= NUM_CLASSES:
         raise UserError(f"{path}: fine labels outside 0..{NUM_CLASSES - 1}")
     return Cifar100Split(
         images=torch.from_numpy(data.reshape(-1, *IMAGE_SHAPE).copy()),

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
+
+from omegaconf import OmegaConf
 
 
 class Precision(str, Enum):
@@ -138,3 +141,27 @@ class RunConfig:
     # folder) with a fresh optimizer, schedule and sampler; a run that resumes its own checkpoint ignores it.
     init_from: str = ""
     init_skip_head: bool = False  # leave the classifier head out of init_from (when the classes differ)
+
+
+def plain_config(cfg: Any) -> dict[str, Any]:
+    """A config (a schema's dataclass, or a node of one) as plain data, enums as their values."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+
+
+def config_record(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` as a run records it (``.hydra/config.yaml``, every checkpoint's manifest): plain
+    data, with every path inside the run directory written relative to it
+    (``${run_dir}/checkpoints``), so that a run moved to another folder or machine still finds
+    its own files when the tools read it back (``common/trained.py``)."""
+    run_dir = cfg.run_dir.rstrip("/")
+
+    def relocatable(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: relocatable(item) if key != "run_dir" else item for key, item in value.items()}
+        if isinstance(value, list):
+            return [relocatable(item) for item in value]
+        if isinstance(value, str) and value.startswith(run_dir + "/"):
+            return "${run_dir}" + value[len(run_dir):]
+        return value
+
+    return relocatable(plain_config(cfg))

@@ -8,6 +8,7 @@ one node do not collide. With neither, the run is a single process and no group 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -195,6 +196,28 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+def on_device(model: torch.nn.Module, device: torch.device, channels_last: bool) -> torch.nn.Module:
+    """``model`` on this process's device, in the channels-last memory format when asked for."""
+    model = model.to(device)
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def data_parallel(model: torch.nn.Module, dist_info: DistInfo) -> torch.nn.Module:
+    """``model`` in DistributedDataParallel across the ranks (itself on one process)."""
+    if not dist_info.distributed:
+        return model
+    device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """The backward of an accumulated micro-batch: DDP reduces gradients across ranks only on the
+    step's last one (``sync``)."""
+    if sync or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:

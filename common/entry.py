@@ -36,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from common import distributed
-from common.config import RunConfig
+from common.config import RunConfig, config_record
 from common.determinism import configure_determinism
 from common.distributed import DistInfo
 from common.errors import EXIT_USER_ERROR, Preempted, RunStopped, UserError
@@ -160,6 +160,12 @@ def check_resolves(cfg: DictConfig) -> None:
         raise UserError(config_error_line(error)) from error
 
 
+def typed_config(cfg: DictConfig) -> RunConfig:
+    """``cfg`` as its schema's dataclasses (enums as enum members): what a recipe's code receives.
+    Converted once, where Hydra hands the config over; attribute reads then cost nothing."""
+    return OmegaConf.to_object(cfg)
+
+
 def compose_config(recipe: str, overrides: list[str]) -> DictConfig:
     """The config ``python -m recipes.<recipe>.train *overrides`` would run with, resolvable, for
     tools and tests; a bad override is a one-line :class:`UserError`."""
@@ -184,7 +190,7 @@ def _print_job_config_resolved() -> None:
 
 
 @contextlib.contextmanager
-def distributed_process(cfg: DictConfig, **process_group: Any) -> Iterator[DistInfo]:
+def distributed_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]:
     """This process set up to run ``cfg``'s model: PyTorch's determinism and speed switches (before
     CUDA starts), then its device and process group (``common.distributed.init_distributed``, which
     ``process_group``'s options go to); the group is destroyed at the end."""
@@ -197,7 +203,7 @@ def distributed_process(cfg: DictConfig, **process_group: Any) -> Iterator[DistI
 
 
 @contextlib.contextmanager
-def training_process(cfg: DictConfig, **process_group: Any) -> Iterator[DistInfo]:
+def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]:
     """A :func:`distributed_process` that trains into ``cfg.run_dir``: rank 0 holds the run's lock
     (``common/run_lock.py``) for the job's ranks before anything reads a checkpoint, then records
     the config in ``.hydra/``. A run held by another launch is a one-line error on every rank,
@@ -225,23 +231,33 @@ def training_process(cfg: DictConfig, **process_group: Any) -> Iterator[DistInfo
             raise
 
 
-def record_config(cfg: DictConfig) -> None:
+def record_config(cfg: RunConfig) -> None:
     """``.hydra/config.yaml`` (and ``overrides.yaml`` when Hydra composed ``cfg``) in the run
-    directory, as Hydra writes them; written here, once the run's lock is held, so that a launch
-    refused by the lock leaves the running one's files alone (``conf/run_layout.yaml`` turns
-    Hydra's own copy off)."""
+    directory, where Hydra would write them (:func:`common.config.config_record`); written here,
+    once the run's lock is held, so that a launch refused by the lock leaves the running one's
+    files alone (``conf/run_layout.yaml`` turns Hydra's own copy off)."""
     folder = Path(cfg.run_dir) / CONFIG_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, folder / "config.yaml")
+    OmegaConf.save(OmegaConf.create(config_record(cfg)), folder / "config.yaml")
     if HydraConfig.initialized():
         OmegaConf.save(OmegaConf.create(list(HydraConfig.get().overrides.task)), folder / "overrides.yaml")
 
 
-def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[DictConfig], Any]], Callable[[], None]]:
-    """Decorate a recipe's ``main(cfg)`` with its schema; the result takes its arguments from
-    ``sys.argv``, composes ``conf/<recipe>.yaml`` and runs ``main`` with it."""
+def exit_after(main: Callable[[], Any]) -> NoReturn:
+    """Run an entry point's ``main`` and end the process with its exit code (:func:`exit_process`)."""
+    try:
+        main()
+    except SystemExit as stop:
+        exit_process(exit_code(stop))
+    exit_process(0)
 
-    def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], None]:
+
+def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[Any], Any]], Callable[[], None]]:
+    """Decorate a recipe's ``main(cfg)`` with its schema; the result takes its arguments from
+    ``sys.argv``, composes ``conf/<recipe>.yaml`` and runs ``main`` with it, typed
+    (:func:`typed_config`), then ends the process (:func:`exit_after`)."""
+
+    def decorate(task: Callable[[Any], Any]) -> Callable[[], None]:
         import hydra
 
         @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=schema.recipe)
@@ -250,7 +266,7 @@ def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[DictConfig], Any
                 cfg.run_dir = HydraConfig.get().runtime.output_dir
             try:
                 check_resolves(cfg)
-                return task(cfg)
+                return task(typed_config(cfg))
             except RunStopped as stop:
                 stop_run(stop)
             except CONFIG_ERRORS as error:  # a bug in the recipe, not a bad override: keep its traceback
@@ -262,16 +278,16 @@ def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[DictConfig], Any
             _print_job_config_resolved()
             reported_here = os.environ.get("HYDRA_FULL_ERROR") != "1"  # a user who set it wants Hydra's trace
             os.environ["HYDRA_FULL_ERROR"] = "1"
-            try:
+
+            def compose_and_run() -> None:
                 try:
                     hydra_task()
                 except CONFIG_ERRORS as error:
                     if not reported_here or getattr(error, "raised_by_recipe", False):
                         raise
                     fail(config_error_line(error))
-            except SystemExit as stop:
-                exit_process(exit_code(stop))
-            exit_process(0)
+
+            exit_after(compose_and_run)
 
         return main
 

@@ -20,52 +20,38 @@ The folder (``<run dir>/export-<which>/`` unless ``--out`` says otherwise) holds
 :func:`load_export` rebuilds the model from such a folder alone; the export reads itself back
 that way before it reports success. ``init_from=<export>`` starts a run from it.
 
-What is recipe-specific comes from ``recipes/<recipe>/export.py``:
-
-* ``key_prefixes(model_cfg)``: ``(model prefix, export prefix)`` pairs that rename the model's
-  tensors into the export's names (the longest matching prefix wins, both ways);
-* ``head_prefixes(model_cfg)``: the classifier head's tensors, in the model's names
-  (``init_skip_head=true`` leaves them out);
-* ``describe(cfg)``: the input, classes and loading entries of ``metadata.json``;
-* ``rebuild(model_cfg, metadata, folder)``: the model's architecture, without weights;
-* optionally ``FILES`` (export prefix -> file name for tensors not in ``model.safetensors``) and
-  ``write_extras(cfg, folder, metadata)``.
+What is recipe-specific comes from the recipe's ``SPEC`` (``recipes/<recipe>/spec.py``): the
+export names of its tensors (the longest matching prefix wins, both ways), its classifier head
+(``init_skip_head=true`` leaves it out), the metadata, the model rebuilt from an export, and any
+extra files.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from common import jsonfiles
 from common.checkpoint import MANIFEST_FILE
-from common.entry import CONFIG_ERRORS, config_error_line, fail, recipe_schema, user_message
+from common.config import plain_config
+from common.entry import CONFIG_ERRORS, config_error_line, exit_after, fail, recipe_schema, user_message
 from common.errors import UserError
+from common.recipes import load_recipe
 from common.summary import state_digest
 from common.trained import LATEST, TrainedRun, checkpoint_weights, open_run, read_state
 
 METADATA_FILE = "metadata.json"
 WEIGHTS_FILE = "model.safetensors"
 EXPORT_FORMAT = 1
-
-
-def exporter(recipe: str) -> ModuleType:
-    """``recipes/<recipe>/export.py``."""
-    try:
-        return importlib.import_module(f"recipes.{recipe}.export")
-    except ModuleNotFoundError as error:
-        raise UserError(f"recipe {recipe!r} has no recipes/{recipe}/export.py") from error
 
 
 def rename(state: dict[str, Any], prefixes: list[tuple[str, str]], to_export: bool) -> dict[str, Any]:
@@ -83,10 +69,10 @@ def rename(state: dict[str, Any], prefixes: list[tuple[str, str]], to_export: bo
     return renamed
 
 
-def model_config(recipe: str, saved: dict[str, Any]) -> DictConfig:
-    """A recipe's ``model`` node from plain data, checked against its schema."""
+def model_config(recipe: str, saved: dict[str, Any]) -> Any:
+    """A recipe's ``model`` node (its schema's dataclass) from plain data, checked against the schema."""
     try:
-        return OmegaConf.merge(OmegaConf.structured(recipe_schema(recipe)).model, saved)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(recipe_schema(recipe)).model, saved))
     except CONFIG_ERRORS as error:
         raise UserError(f"the model config of this {recipe} export: {config_error_line(error)}") from error
 
@@ -143,11 +129,11 @@ def export_run(run: TrainedRun, out: Path) -> Path:
     """Write ``run``'s chosen checkpoint as an export in ``out`` (replaced whole, atomically)."""
     from safetensors.torch import save_file
 
-    recipe = exporter(run.recipe)
+    spec = load_recipe(run.recipe)
     weights, kind = checkpoint_weights(run.checkpoint, read_state(run.checkpoint))
-    exported = rename(weights, recipe.key_prefixes(run.cfg.model), to_export=True)
+    exported = rename(weights, spec.export_names(run.cfg.model), to_export=True)
     files: dict[str, dict[str, torch.Tensor]] = {}
-    routes = sorted(getattr(recipe, "FILES", {}).items(), key=lambda route: len(route[0]), reverse=True)
+    routes = sorted(spec.export_files.items(), key=lambda route: len(route[0]), reverse=True)
     for key, tensor in exported.items():
         file = next((name for prefix, name in routes if key.startswith(prefix)), WEIGHTS_FILE)
         files.setdefault(file, {})[key] = tensor
@@ -157,8 +143,8 @@ def export_run(run: TrainedRun, out: Path) -> Path:
         "recipe": run.recipe,
         "weights": kind,
         "files": sorted(files),
-        "model": OmegaConf.to_container(run.cfg.model, resolve=True, enum_to_str=True),
-        **recipe.describe(run.cfg),
+        "model": plain_config(run.cfg.model),
+        **spec.export_metadata(run.cfg),
         "metrics": run.manifest.get("metrics", {}),
         "source": {"run_dir": str(run.run_dir.resolve()), "checkpoint": str(run.checkpoint.resolve()),
                    "step": run.manifest["step"], "manifest_sha256": manifest_sha,
@@ -170,8 +156,8 @@ def export_run(run: TrainedRun, out: Path) -> Path:
     header = {"format": "pt", "recipe": run.recipe, "weights": kind}  # "format": what transformers' loader expects
     for file, state in files.items():
         save_file(_safetensors_ready(state), str(tmp / file), metadata=header)
-    if hasattr(recipe, "write_extras"):
-        recipe.write_extras(run.cfg, tmp, metadata)
+    if spec.write_export_extras is not None:
+        spec.write_export_extras(run.cfg, tmp, metadata)
     (tmp / METADATA_FILE).write_text(jsonfiles.dumps(metadata, indent=2) + "\n")
     _readable_as_umask_allows(tmp)
     model, _ = load_export(tmp)  # the export rebuilds the model by itself, with exactly these weights
@@ -215,10 +201,10 @@ def load_export(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     its metadata."""
     folder = Path(folder)
     metadata = read_metadata(folder)
-    recipe = exporter(metadata["recipe"])
+    spec = load_recipe(metadata["recipe"])
     model_cfg = model_config(metadata["recipe"], metadata["model"])
-    model = recipe.rebuild(model_cfg, metadata, folder)
-    state = rename(read_export_weights(folder, metadata), recipe.key_prefixes(model_cfg), to_export=False)
+    model = spec.model_from_export(model_cfg, metadata, folder)
+    state = rename(read_export_weights(folder, metadata), spec.export_names(model_cfg), to_export=False)
     try:
         model.load_state_dict(state)
     except RuntimeError as error:
@@ -246,4 +232,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

@@ -2,10 +2,10 @@
 
 The source's weights (those ``make export`` would write: the EMA where the source keeps one, FSDP
 shards consolidated) are renamed into the export's names by the source recipe's
-``recipes/<r>/export.py``, then into this model's names by this recipe's, so a run can start from
+``recipes/<r>/spec.py``, then into this model's names by this recipe's, so a run can start from
 another recipe's run of the same backbone (fungitastic from timm_imagenet). Every tensor of the
 model must be there with its shape, and nothing else: the first one that is not is a one-line
-error. ``init_skip_head=true`` leaves the classifier head (this recipe's ``head_prefixes``) out
+error. ``init_skip_head=true`` leaves the classifier head (this recipe's ``head_names``) out
 of both sides, for a source trained on other classes. Only the weights are taken: the optimizer,
 LR schedule, sampler and step start afresh, and a run that resumes its own checkpoint does not
 read the source at all (:meth:`common.run.TrainingRun.resume`).
@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from common.errors import UserError
-from common.export import exporter, is_export, read_export_weights, read_metadata, rename
+from common.export import is_export, read_export_weights, read_metadata, rename
+from common.recipes import load_recipe
 from common.trained import LATEST, checkpoint_weights, open_run
 
 
@@ -32,7 +33,7 @@ def source_weights(source: str) -> tuple[dict[str, torch.Tensor], str]:
                                                      f"export {path}")
     run = open_run(path, LATEST)
     weights, kind = checkpoint_weights(run.checkpoint)
-    exported = rename(weights, exporter(run.recipe).key_prefixes(run.cfg.model), to_export=True)
+    exported = rename(weights, load_recipe(run.recipe).export_names(run.cfg.model), to_export=True)
     return exported, f"the {kind} weights of {run.checkpoint} ({run.recipe}, step {run.manifest['step']})"
 
 
@@ -51,11 +52,11 @@ def initialize_model(model: torch.nn.Module, model_cfg: Any, recipe: str, source
     with ``sharded``, then collectively on every rank) and return what was loaded."""
     try:
         exported, description = source_weights(source)
-        target = exporter(recipe)
-        renamed = rename(exported, target.key_prefixes(model_cfg), to_export=False)
+        target = load_recipe(recipe)
+        renamed = rename(exported, target.export_names(model_cfg), to_export=False)
     except UserError as error:
         raise UserError(f"init_from={source}: {error}") from error
-    head = tuple(target.head_prefixes(model_cfg))
+    head = tuple(target.head_names(model_cfg))
     heads = head if skip_head else ()
     state = {key: value for key, value in renamed.items() if not key.startswith(heads)}
     shapes = {key: shape for key, shape in model_shapes(model, sharded).items() if not key.startswith(heads)}

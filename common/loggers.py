@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from common import jsonfiles
+from common.config import plain_config
 
 METRICS_FILE = "metrics.jsonl"
 BACKENDS = ("tensorboard", "wandb", "none")
@@ -147,7 +147,7 @@ class RunLogger:
             cfg.logging.dir,
             is_main,
             run_name=run_name,
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=plain_config(cfg),
             resume_step=resume_step,
             wandb_project=cfg.logging.wandb_project,
             wandb_mode=cfg.logging.wandb_mode,

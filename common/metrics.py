@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 class SumMetrics:
@@ -78,3 +79,23 @@ def ratio(sums: Mapping[str, float], numerator: str, denominator: str) -> float:
     """``sums[numerator] / sums[denominator]``, or NaN when nothing was counted."""
     count = sums.get(denominator, 0.0)
     return sums.get(numerator, 0.0) / count if count else float("nan")
+
+
+def add_classification(sums: SumMetrics, logits: torch.Tensor, labels: torch.Tensor,
+                       keep: torch.Tensor | None = None) -> None:
+    """Add a batch of class scores to ``sums``: the summed cross-entropy, top-1 and top-5 hits and
+    the count (``keep``: a mask of the samples to count, the others being padding)."""
+    logits = logits.float()
+    hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]
+    top1, top5 = hits[:, 0], hits.any(dim=1)
+    if keep is None:
+        sums.add(loss=F.cross_entropy(logits, labels, reduction="sum"), top1=top1.sum(), top5=top5.sum(),
+                 count=len(labels))
+    else:
+        sums.add(loss=F.cross_entropy(logits, labels, reduction="none") * keep, top1=top1 & keep, top5=top5 & keep,
+                 count=keep)
+
+
+def classification_metrics(totals: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """``<prefix>/loss``, ``<prefix>/top1`` and ``<prefix>/top5`` from :func:`add_classification`'s reduced sums."""
+    return {f"{prefix}/{name}": ratio(totals, name, "count") for name in ("loss", "top1", "top5")}

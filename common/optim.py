@@ -35,7 +35,7 @@ def scaled_lr(base_lr: float, batch_size: int, reference_batch_size: int, rule: 
     raise ValueError(f"lr scaling rule must be none, linear or sqrt, not {rule!r}")
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: weight decay on weights of dimension >= 2, none on norms, biases and
     other 1-d parameters (the torchvision/timm convention)."""
     decay, no_decay = [], []

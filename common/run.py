@@ -57,7 +57,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from common import distributed
 from common.checkpoint import (
@@ -68,6 +67,7 @@ from common.checkpoint import (
     is_artifact_path,
     latest_checkpoint,
 )
+from common.config import RunConfig, config_record
 from common.distributed import DistInfo
 from common.divergence import NONE, NonfiniteWatch, all_finite, scale_learning_rate
 from common.errors import EXIT_DIVERGED, Diverged, Preempted, UserError
@@ -301,7 +301,7 @@ class TrainingRun:
         self._samples_since_log = 0
 
     @classmethod
-    def from_config(cls, cfg: Any, dist_info: DistInfo, plan: StepPlan, **objects: Any) -> TrainingRun:
+    def from_config(cls, cfg: RunConfig, dist_info: DistInfo, plan: StepPlan, **objects: Any) -> TrainingRun:
         """From a recipe's whole config: its ``checkpoint`` node (read here only), ``logging``,
         ``trainer.eval_every_epochs`` and ``trainer.early_stopping_patience``, ``recipe``,
         ``run_dir``, ``init_from`` and ``init_skip_head``. ``objects``: see the class.
@@ -321,10 +321,10 @@ class TrainingRun:
         open_logger = functools.partial(RunLogger.from_config, cfg, dist_info.is_main)
         return cls(dist_info, plan, checkpoints, cadence, open_logger, recipe=cfg.recipe, run_dir=cfg.run_dir,
                    resume_from_checkpoint=checkpoint.resume, eval_every_epochs=cfg.trainer.eval_every_epochs,
-                   config=OmegaConf.to_container(cfg, resolve=False, enum_to_str=True), model_cfg=cfg.model,
+                   config=config_record(cfg), model_cfg=cfg.model,
                    init_from=cfg.init_from,
                    init_skip_head=cfg.init_skip_head, early_stopping_patience=cfg.trainer.early_stopping_patience,
-                   nonfinite=str(cfg.trainer.nonfinite.value), rollback_lr_factor=cfg.trainer.rollback_lr_factor,
+                   nonfinite=cfg.trainer.nonfinite.value, rollback_lr_factor=cfg.trainer.rollback_lr_factor,
                    max_rollbacks=cfg.trainer.max_rollbacks, **objects)
 
     # ---- resume ---------------------------------------------------------------------------------

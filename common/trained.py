@@ -38,10 +38,11 @@ from common.checkpoint import (
     newest_valid_checkpoint,
     verify_checkpoint,
 )
-from common.entry import CONFIG_ERRORS, check_resolves, config_error_line, recipe_schema
+from common.config import RunConfig
+from common.entry import CONFIG_ERRORS, CONFIG_FOLDER, check_resolves, config_error_line, recipe_schema, typed_config
 from common.errors import UserError
 
-CONFIG_FILE = Path(".hydra") / "config.yaml"
+CONFIG_FILE = Path(CONFIG_FOLDER) / "config.yaml"
 LATEST, BEST = "latest", "best"  # WHICH=: the newest valid checkpoint, the best by checkpoint.best_metric
 
 
@@ -49,7 +50,7 @@ LATEST, BEST = "latest", "best"  # WHICH=: the newest valid checkpoint, the best
 class TrainedRun:
     """A run and the checkpoint chosen from it."""
 
-    cfg: DictConfig  # the run's config, with ``run_dir`` and ``checkpoint.dir`` where they are now
+    cfg: RunConfig  # the run's config (its recipe's schema), with ``run_dir`` and ``checkpoint.dir`` where they are now
     checkpoint: Path  # the chosen checkpoint directory (verified)
     manifest: dict[str, Any]  # its manifest: step, metrics, files and their sha256
     which: str  # latest, best or the checkpoint's name, as asked
@@ -95,7 +96,7 @@ def open_run(source: str | Path, which: str = LATEST, overrides: Sequence[str] =
     checkpoints = Path(cfg.checkpoint.dir)
     chosen = named or which
     checkpoint, manifest = choose_checkpoint(checkpoints, chosen, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
-    return TrainedRun(cfg=cfg, checkpoint=checkpoint, manifest=manifest, which=chosen)
+    return TrainedRun(cfg=typed_config(cfg), checkpoint=checkpoint, manifest=manifest, which=chosen)
 
 
 def saved_config(folder: Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.cifar100 import read_pickle
+from common.cifar100 import load_split, read_pickle
 from common.config import MixupConfig
 from common.entry import compose_config
 from common.errors import UserError
@@ -25,7 +25,7 @@ from common.rng import seeded_generator
 from data_prep import cifar100_resnet50 as prep
 from data_prep.files import file_digest
 from recipes.cifar100_resnet50.config import DataConfig, ModelConfig
-from recipes.cifar100_resnet50.data import MEAN, STD, TrainAugmentation, load_split, random_erase, rotate
+from recipes.cifar100_resnet50.data import MEAN, STD, BatchAugmentation, random_erase, rotate
 from recipes.cifar100_resnet50.model import build_model
 from tests.conftest import REPO, assert_ok, latest_step, read_summary, recipe_env, run_recipe
 from tests.resume import CHAIN_SETTINGS, kill_signal_resume
@@ -92,7 +92,8 @@ def test_prep_extracts_the_pickles_and_keeps_a_verified_folder(tarball: Path, ci
     assert sorted(p.name for p in folder.iterdir()) == [prep.VERIFIED_MARKER, "meta", "test", "train"]
     with tarfile.open(tarball) as archive:
         original = read_pickle(archive.extractfile("cifar-100-python/train"))
-    images, labels = load_split(cifar_root, "train")
+    train = load_split(cifar_root, "train")
+    images, labels = train.images, train.labels
     assert images.dtype == torch.uint8 and images.shape == (N_TRAIN, 3, 32, 32)
     assert torch.equal(images.reshape(N_TRAIN, -1), torch.from_numpy(original[b"data"]))
     assert labels.tolist() == original[b"fine_labels"]
@@ -160,7 +161,7 @@ def test_random_erasing_replaces_one_rectangle_per_image() -> None:
 def test_training_augmentation_depends_only_on_its_keys_and_leaves_global_rngs_alone() -> None:
     cfg = DataConfig(auto_augment="trivialaugment", rotation_degrees=15, random_erasing=0.5)
     normalize = Normalize(MEAN, STD, torch.device("cpu"), input_max=1)
-    augmentation = TrainAugmentation(cfg, MixupConfig(mixup_alpha=0.2, cutmix_alpha=1.0), 0.1, normalize)
+    augmentation = BatchAugmentation(cfg, MixupConfig(mixup_alpha=0.2, cutmix_alpha=1.0), 0.1, normalize)
     images, labels = random_images(8), torch.arange(8)
 
     def draw(step: int) -> tuple[torch.Tensor, torch.Tensor]:

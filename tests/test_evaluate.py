@@ -1,4 +1,4 @@
-"""Evaluating a checkpoint after training (``make eval-<recipe>``, ``common/evaluate.py``): every
+"""Evaluating a checkpoint after training (``make eval``, ``common/evaluate.py``): every
 recipe reports for a checkpoint exactly what its own training reported for it, on the split asked
 for, also on another number of ranks (dinov2_fsdp's shards) and from the command line."""
 
@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from common.evaluate import main as evaluate_main
-from recipes.fashion_mnist.evaluate import evaluation as fashion_evaluation
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.trained_runs import (
     cifar_run,
@@ -59,7 +58,7 @@ def test_best_or_a_named_checkpoint_is_the_one_evaluated(tmp_path_factory: pytes
     assert (run / f"eval-test-{first.name}.json").is_file() and (run / "eval-test-best.json").is_file()
 
     (run / f"eval-test-{first.name}.json").unlink()
-    evaluate_main("fashion_mnist", ("test",), fashion_evaluation, argv=[str(first)])  # RUN= one checkpoint
+    evaluate_main(argv=[str(first)])  # RUN= one checkpoint
     named = json.loads((run / f"eval-test-{first.name}.json").read_text())
     assert named["which"] == first.name and named["metrics"] == saved["metrics"]
 
@@ -105,6 +104,16 @@ def test_dinov2_shards_of_two_ranks_evaluate_on_one_and_on_two(tmp_path_factory:
     assert written["world_size"] == 2 and f"written to {run / 'eval-test-best.json'}" in result.stdout
     best = json.loads((run / "checkpoints" / summary(run)["best_checkpoint"] / "manifest.json").read_text())
     assert written["metrics"] == best["metrics"]
+
+
+def test_make_eval_reads_the_recipe_from_the_run(tmp_path_factory: pytest.TempPathFactory) -> None:
+    run = cifar_run(tmp_path_factory)
+    result = make("eval", f"RUN={run}")
+    assert_ok(result)
+    report = json.loads((run / "eval-test-latest.json").read_text())
+    assert report["recipe"] == "cifar100_resnet50"
+    # Another process (one thread per process in tests): counts are exact, a loss is a float sum.
+    assert report["metrics"] == pytest.approx(summary(run)["metrics"], rel=1e-5)
 
 
 def test_a_split_the_data_lacks_is_one_line_and_a_missing_run_too(tmp_path_factory: pytest.TempPathFactory) -> None:

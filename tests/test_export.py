@@ -19,7 +19,7 @@ from common.export import export_run, load_export
 from common.trained import open_run
 from recipes.fashion_mnist.model import build_model as fashion_model
 from recipes.fungitastic.model import build_model as fungi_model
-from recipes.timm_imagenet.evaluate import architecture as timm_architecture
+from recipes.timm_imagenet.model import build_model as timm_model
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.trained_runs import dinov2_run, fashion_run, fungi_run, summary, timm_run
 
@@ -77,7 +77,7 @@ def test_timm_export_holds_the_ema_and_loads_with_timm(tmp_path_factory: pytest.
     assert metadata["weights"] == "ema" and header(folder / "model.safetensors")["weights"] == "ema"
     assert metadata["source"]["weights_digest"] == summary(run)["ema_digest"]
 
-    ema = timm_architecture(open_run(run).cfg.model, metadata["num_classes"])
+    ema = timm_model(open_run(run).cfg.model, metadata["num_classes"], pretrained=False)
     ema.load_state_dict(checkpoint_state(run)["extra"]["ema"])
     images = torch.randn(3, *metadata["input"]["size"])
     expected = ema.eval()(images)

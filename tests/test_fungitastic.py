@@ -15,7 +15,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from omegaconf import OmegaConf
 from sklearn.metrics import f1_score
 from sklearn.utils.class_weight import compute_class_weight
 
@@ -24,9 +23,9 @@ from common.errors import UserError
 from common.images import ResizedImages
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import DataConfig, ModelConfig
-from recipes.fungitastic.data import load_split
+from recipes.fungitastic.data import split_files
 from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
-from recipes.fungitastic.model import build_model, load_pretrained
+from recipes.fungitastic.model import build_model, input_normalization, load_pretrained
 from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe
 from tests.resume import CHAIN_SETTINGS, kill_signal_resume
 from tools.tiny_data import FUNGI_TAXA, write_fungitastic
@@ -136,9 +135,9 @@ def test_prep_reports_a_missing_image_and_fails_unless_told_to_skip(tmp_path: Pa
     mappings = metadata.load_mappings(tmp_path / "data" / "prepared", "mini")
     cfg = DataConfig(root=str(tmp_path / "data"), prepared_dir=str(tmp_path / "data" / "prepared"))
     with pytest.raises(UserError, match=f"1 of 8 images .* missing .*{gone}.*data.skip_missing=true"):
-        load_split(cfg, "val", mappings)
+        split_files(cfg, "val", mappings)
     cfg.skip_missing = True
-    split = load_split(cfg, "val", mappings)
+    split = split_files(cfg, "val", mappings)
     assert (split.skipped_missing, split.unknown_species, len(split.paths)) == (1, 1, 7)
 
 
@@ -225,7 +224,8 @@ def test_pretrained_weights_from_a_local_file_fill_the_backbone_and_species_head
     published = timm.create_model("test_vit", num_classes=4, img_size=32)
     torch.save({"state_dict": published.state_dict()}, tmp_path / "fungi.pth")
     num_classes = {"species": 4, "genus": 2}
-    model = build_model(ModelConfig(name="test_vit", drop_path_rate=0), num_classes, ["species", "genus"], 32)
+    model = build_model(ModelConfig(name="test_vit", drop_path_rate=0), num_classes, ["species", "genus"], 32,
+                        pretrained=False)
     assert load_pretrained(model, str(tmp_path / "fungi.pth")) == "backbone and species head"
     for key, value in model.backbone.state_dict().items():
         torch.testing.assert_close(value, published.state_dict()[key], rtol=0, atol=0)
@@ -257,9 +257,10 @@ def test_prep_stores_the_pretrained_weights_and_the_run_reads_only_that_copy(fun
     assert f"pretrained weights: {stored} ({tmp_path / 'download'})" in result.stdout
     assert sorted(path.name for path in stored.iterdir()) == ["config.json", "model.safetensors"]
 
-    model = build_model(ModelConfig(name="test_vit", drop_path_rate=0), {"species": 4}, ["species"], 32)
-    assert load_pretrained(model, str(stored)) == "backbone and species head"
-    assert model.backbone.pretrained_cfg["mean"] == [0.1, 0.2, 0.3]
+    model_cfg = ModelConfig(name="test_vit", drop_path_rate=0, pretrained=str(stored))
+    model = build_model(model_cfg, {"species": 4}, ["species"], 32)
+    assert model.pretrained_parts == "backbone and species head"
+    assert input_normalization(model_cfg, 32) == ((0.1, 0.2, 0.3), (0.5, 0.5, 0.5))
     torch.testing.assert_close(model.heads["species"].weight, published.head.weight, rtol=0, atol=0)
 
     run = run_recipe(RECIPE, overrides(fungi_data, tmp_path / "run", setting, "trainer.max_steps=1",
@@ -346,20 +347,22 @@ def test_each_rank_evaluates_its_own_images_and_together_every_image_once(fungi_
                                                                          tmp_path: Path) -> None:
     """The recipe's evaluation loaders on 2 ranks yield, between them, exactly the images and
     labels of the 1-rank loader (7 rows: one rank gets 4, the other 3), each once."""
+    from common.config import TrainerConfig
     from common.distributed import DistInfo
-    from recipes.fungitastic.train import eval_loader
+    from recipes.fungitastic.config import FungiTasticConfig, ModelConfig
+    from recipes.fungitastic.train import SplitEvaluation
 
     data = fungi_data_one_val_image_missing
-    cfg = OmegaConf.create({"data": {"image_size": 32, "draft_decode": True}, "trainer": {"eval_batch_size": 2,
-                                                                                         "num_workers": 0}})
-    split_cfg = DataConfig(root=str(data), prepared_dir=str(data / "prepared"), skip_missing=True)
-    split = load_split(split_cfg, "val", metadata.load_mappings(split_cfg.prepared_dir, "mini"))
+    cfg = FungiTasticConfig(data=DataConfig(root=str(data), prepared_dir=str(data / "prepared"), skip_missing=True,
+                                            image_size=32),
+                            model=ModelConfig(name="test_vit", pretrained=""),
+                            trainer=TrainerConfig(eval_batch_size=2, num_workers=0))
 
     def samples(rank: int, world_size: int) -> list[tuple[bytes, tuple[int, ...]]]:
         info = DistInfo(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"),
                         launcher="single")
         return [(image.numpy().tobytes(), tuple(label.tolist()))
-                for images, labels in eval_loader(split, cfg, info, pin_memory=False)
+                for images, labels in SplitEvaluation(cfg, info, "val").loader
                 for image, label in zip(images, labels)]
 
     everything = samples(0, 1)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from common.entry import CONF_DIR, compose_config
 from common.errors import UserError
 from data_prep import timm_imagenet as prep
+from recipes.timm_imagenet.config import ModelConfig
 from recipes.timm_imagenet.data import resolve, train_augmentation
 from recipes.timm_imagenet.model import build_model
 from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
@@ -113,9 +113,9 @@ def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(imagenet:
 
 
 def test_top1_and_top5_are_counted_per_image() -> None:
-    """Seven classes, so that top-5 can miss: hand-made logits with known ranks of the label."""
-    from common.images import Normalize
-    from recipes.timm_imagenet.train import evaluate
+    """Seven classes, so that top-5 can miss: hand-made logits with known ranks of the label, in
+    two batches (the classification metrics every single-label recipe reports)."""
+    from common.metrics import SumMetrics, add_classification, classification_metrics
 
     labels = torch.tensor([0, 1, 2, 3, 4, 5])
     ranks = [0, 1, 4, 5, 6, 0]  # where each label stands among its image's scores
@@ -124,16 +124,10 @@ def test_top1_and_top5_are_counted_per_image() -> None:
         others = [c for c in range(7) if c != label]
         order = others[:rank] + [label] + others[rank:]
         logits[row, order] = torch.arange(7, 0, -1, dtype=torch.float)
-
-    class Lookup(torch.nn.Module):
-        def forward(self, images: torch.Tensor) -> torch.Tensor:
-            return logits[images[:, 0, 0, 0].long()]
-
-    images = torch.arange(6, dtype=torch.uint8).reshape(6, 1, 1, 1).expand(6, 3, 2, 2).contiguous()
-    loader = [(images[:4], labels[:4]), (images[4:], labels[4:])]
-    cfg = OmegaConf.create({"trainer": {"channels_last": False, "precision": "fp32"}})
-    identity = Normalize((0.0, 0.0, 0.0), (1 / 255, 1 / 255, 1 / 255), torch.device("cpu"))
-    metrics = evaluate(Lookup(), loader, identity, cfg, torch.device("cpu"), "eval")
+    sums = SumMetrics(torch.device("cpu"))
+    add_classification(sums, logits[:4], labels[:4])
+    add_classification(sums, logits[4:], labels[4:])
+    metrics = classification_metrics(sums.reduce(), "eval")
     assert metrics["eval/top1"] == 2 / 6 and metrics["eval/top5"] == 4 / 6
     assert metrics["eval/loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item())
 
@@ -217,12 +211,10 @@ def test_each_preset_composes_and_its_model_and_transforms_build(preset: str, tm
 
 
 def test_pretrained_weights_load_from_a_local_file(tmp_path: Path) -> None:
-    source = build_model(OmegaConf.structured({"name": "test_resnet", "pretrained": False, "pretrained_file": "",
-                                               "drop_rate": 0.0, "drop_path_rate": 0.0, "kwargs": {}}), 1000)
+    source = build_model(ModelConfig(name="test_resnet"), 1000)
     weights = tmp_path / "weights.pth"
     torch.save(source.state_dict(), weights)
-    cfg = OmegaConf.structured({"name": "test_resnet", "pretrained": False, "pretrained_file": str(weights),
-                                "drop_rate": 0.0, "drop_path_rate": 0.0, "kwargs": {}})
+    cfg = ModelConfig(name="test_resnet", pretrained_file=str(weights))
     torch.manual_seed(123)  # a different random init, so equality can only come from the file
     same_classes, other_classes = build_model(cfg, 1000), build_model(cfg, 3)
     for name, tensor in source.state_dict().items():
@@ -230,6 +222,9 @@ def test_pretrained_weights_load_from_a_local_file(tmp_path: Path) -> None:
     stem = next(name for name in source.state_dict() if name.endswith("weight"))
     assert torch.equal(other_classes.state_dict()[stem], source.state_dict()[stem])
     assert other_classes.get_classifier().out_features == 3
+    random = build_model(cfg, 1000, pretrained=False).state_dict()[stem]
+    assert not torch.equal(random, tensor := source.state_dict()[stem]) and random.shape == tensor.shape, \
+        "pretrained=False leaves the file out"
 
     cfg.pretrained_file = str(tmp_path / "missing.pth")
     with pytest.raises(UserError, match="missing.pth does not exist"):

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from common.entry import compose_config, training_process
-from common.evaluate import eval_file
+from common.entry import compose_config, training_process, typed_config
+from common.evaluate import eval_file_name
 from common.evaluate import main as evaluate_main
+from common.recipes import load_recipe
 from tools.tiny_data import (
     write_cifar100_tarball,
     write_fashion_mnist,
@@ -56,9 +57,9 @@ def shared_run(name: str, factory: pytest.TempPathFactory, make: Callable[[Path]
 
 def train_here(recipe: str, run_dir: Path, *overrides: str) -> dict[str, Any]:
     """Train ``recipe`` with its tiny settings and ``overrides`` into ``run_dir``; its summary."""
-    cfg = compose_config(recipe, [f"run_dir={run_dir}", *TINY[recipe], *overrides])
+    cfg = typed_config(compose_config(recipe, [f"run_dir={run_dir}", *TINY[recipe], *overrides]))
     train = importlib.import_module(f"recipes.{recipe}.train")
-    group = train.process_group(cfg) if hasattr(train, "process_group") else {}
+    group = load_recipe(recipe).process_group(cfg)
     deterministic = torch.are_deterministic_algorithms_enabled()
     try:
         with training_process(cfg, **group) as dist_info:
@@ -73,13 +74,10 @@ def summary(run_dir: Path) -> dict[str, Any]:
 
 
 def evaluate_here(recipe: str, run: Path, *args: str, which: str = "latest", split: str | None = None) -> dict:
-    """``python -m recipes.<recipe>.evaluate RUN --which W [--split S] [args]`` in this process; the report."""
-    module = importlib.import_module(f"recipes.{recipe}.evaluate")
-    split = split or module.SPLITS[0]
-    train = importlib.import_module(f"recipes.{recipe}.train")
-    evaluate_main(recipe, module.SPLITS, module.evaluation, getattr(train, "process_group", None),
-                  argv=[str(run), "--which", which, "--split", split, *args])
-    return json.loads(eval_file(run, split, which).read_text())
+    """``python -m common.evaluate RUN --which W [--split S] [args]`` in this process; the report."""
+    split = split or load_recipe(recipe).splits[0]
+    evaluate_main(argv=[str(run), "--which", which, "--split", split, *args])
+    return json.loads((run / eval_file_name(split, which)).read_text())
 
 
 # ---- data, one of each per session ---------------------------------------------------------

@@ -11,7 +11,6 @@ so a run resumed at step ``s`` augments exactly as the uninterrupted run did.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,6 @@ from timm.data.mixup import mixup_target
 from common import cifar100
 from common.auto_augment import BatchAutoAugment
 from common.config import MixupConfig
-from common.errors import UserError
 from common.image_batches import Normalize, random_crop_and_flip
 from common.rng import seeded_global_rng
 from recipes.cifar100_resnet50.config import DataConfig
@@ -31,14 +29,6 @@ MEAN = (0.5071, 0.4865, 0.4409)
 STD = (0.2673, 0.2564, 0.2762)
 ERASE_SCALE = (0.02, 1 / 3)  # fraction of the image a random-erasing rectangle covers (timm's default)
 ERASE_LOG_RATIO = (math.log(0.3), math.log(1 / 0.3))  # its aspect ratio
-
-
-def load_split(root: str | Path, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images ``[N, 3, 32, 32]`` uint8 and fine labels ``[N]`` int64 of ``split`` (train or test)."""
-    data = cifar100.load_split(root, split)
-    if len(data.labels) == 0:
-        raise UserError(f"the CIFAR-100 {split} split under {root} holds no images")
-    return data.images, data.labels
 
 
 def rotate(images: torch.Tensor, degrees: float, generator: torch.Generator) -> torch.Tensor:
@@ -76,7 +66,7 @@ def random_erase(images: torch.Tensor, probability: float, generator: torch.Gene
     return torch.where(inside[:, None], noise, images)
 
 
-class TrainAugmentation:
+class BatchAugmentation:
     """The configured training augmentation: uint8 images and labels in, model inputs and
     targets out (class indices, or soft targets when mixup/cutmix is on). ``normalize`` takes
     floats in [0, 1]."""

@@ -11,80 +11,80 @@ the step, checkpoint and exit with code 75; a finished run writes ``summary.json
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
 from timm.utils import ModelEmaV3
-from torch.nn.parallel import DistributedDataParallel
 
-from common.distributed import DistInfo, broadcast_buffers
+from common import cifar100
+from common.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.entry import recipe_main, training_process
+from common.evaluate import evaluating
 from common.image_batches import Normalize
-from common.metrics import SumMetrics, ratio
-from common.optim import param_groups, scaled_lr, warmup_cosine, warmup_multistep
+from common.metrics import SumMetrics, add_classification, classification_metrics, ratio
+from common.optim import scaled_lr, warmup_cosine, warmup_multistep, weight_decay_groups
 from common.precision import autocast, grad_scaler
+from common.recipes import Evaluate
 from common.rng import seed_everything, seeded_generator
 from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
 from common.steps import EpochTail, StepPlan, compile_static
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config
-from recipes.cifar100_resnet50.data import MEAN, STD, TrainAugmentation, load_split
+from recipes.cifar100_resnet50.data import MEAN, STD, BatchAugmentation
 from recipes.cifar100_resnet50.model import build_model
 
+SPLITS = ("test",)  # CIFAR-100 has a train and a test split; training evaluates on test
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, normalize: Normalize,
-             cfg: DictConfig, dist_info: DistInfo, prefix: str = "eval") -> dict[str, float]:
-    """Loss, top-1 and top-5 accuracy over the whole split, each sample counted once across ranks."""
-    broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed
-    was_training = model.training
-    model.eval()
-    sampler = ResumableDistributedSampler(
-        len(images), dist_info.rank, dist_info.world_size, shuffle=False, drop_last=False
-    )
-    sums = SumMetrics(dist_info.device)
-    for batch in sampler.index_batches(cfg.trainer.eval_batch_size, images.device):
-        x = normalize(images[batch].float() / 255.0)
-        if cfg.trainer.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        with autocast(dist_info.device, cfg.trainer.precision):
-            logits = model(x).float()
-        y = labels[batch]
-        top5 = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        sums.add(loss=F.cross_entropy(logits, y, reduction="sum"), correct=(top5[:, 0] == y).sum(),
-                 correct_top5=(top5 == y[:, None]).any(1).sum(), count=len(batch))
-    model.train(was_training)
-    totals = sums.reduce()
-    return {f"{prefix}/loss": ratio(totals, "loss", "count"),
-            f"{prefix}/top1": ratio(totals, "correct", "count"),
-            f"{prefix}/top5": ratio(totals, "correct_top5", "count")}
+
+def model_as_trained(cfg: Cifar100ResNet50Config, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
+    """The model as training holds it, before DDP and compile (trained from scratch: no pretrained weights)."""
+    return on_device(build_model(cfg.model), dist_info.device, cfg.trainer.channels_last)
+
+
+def evaluator(cfg: Cifar100ResNet50Config, dist_info: DistInfo, split: str) -> Evaluate:
+    """Loss, top-1 and top-5 accuracy over ``split``, each image counted once across ranks; the
+    whole split on the device."""
+    data = cifar100.load_split(cfg.data.root, split)
+    images, labels = data.images.to(dist_info.device), data.labels.to(dist_info.device)
+    normalize = Normalize(MEAN, STD, dist_info.device, input_max=1)
+    sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,
+                                          drop_last=False)
+
+    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
+        sums = SumMetrics(dist_info.device)
+        with evaluating(model):
+            for batch in sampler.index_batches(cfg.trainer.eval_batch_size, images.device):
+                x = normalize(images[batch].float() / 255.0)
+                if cfg.trainer.channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with autocast(dist_info.device, cfg.trainer.precision):
+                    logits = model(x)
+                add_classification(sums, logits, labels[batch])
+        return classification_metrics(sums.reduce(), "eval_ema" if of_ema else "eval")
+
+    return evaluate
 
 
 @recipe_main(Cifar100ResNet50Config)
-def main(cfg: DictConfig) -> None:
+def main(cfg: Cifar100ResNet50Config) -> None:
     with training_process(cfg) as dist_info:
         train(cfg, dist_info)
 
 
-def train(cfg: DictConfig, dist_info: DistInfo) -> None:
+def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
     device = dist_info.device
     seed_everything(cfg.seed)
 
     # ---- data: the whole dataset on the device, checked before anything else --------------
-    train_images, train_labels = (t.to(device) for t in load_split(cfg.data.root, "train"))
-    test_images, test_labels = (t.to(device) for t in load_split(cfg.data.root, "test"))
-    normalize = Normalize(MEAN, STD, device, input_max=1)
-    augmentation = TrainAugmentation(cfg.data, cfg.mixup, cfg.optim.label_smoothing, normalize)
+    train_data = cifar100.load_split(cfg.data.root, "train")
+    train_images, train_labels = train_data.images.to(device), train_data.labels.to(device)
+    evaluate = evaluator(cfg, dist_info, SPLITS[0])
+    augmentation = BatchAugmentation(cfg.data, cfg.mixup, cfg.optim.label_smoothing,
+                                     Normalize(MEAN, STD, device, input_max=1))
 
     # ---- model (and its EMA) -------------------------------------------------------------------
-    model = build_model(cfg.model).to(device)
-    if cfg.trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    model = model_as_trained(cfg, dist_info)
     ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
-    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
-        if dist_info.distributed else model
+    ddp_model = data_parallel(model, dist_info)
     forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- optimization: steps of accumulated micro-batches, LR rule, schedule ----------------
@@ -96,7 +96,7 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     if cfg.optim.decay_norms_and_biases:
         groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     else:
-        groups = param_groups(model, cfg.optim.weight_decay)
+        groups = weight_decay_groups(model, cfg.optim.weight_decay)
     optimizer = torch.optim.SGD(groups, lr=lr, momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov,
                                 weight_decay=cfg.optim.weight_decay)
     warmup_steps = round(cfg.optim.warmup_epochs * plan.per_epoch)
@@ -117,38 +117,33 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                 f"{plan.describe()}, lr {lr:g}, {cfg.optim.sched.value} schedule, {plan.total} steps")
 
     def run_eval() -> dict[str, float]:
-        metrics = evaluate(forward, test_images, test_labels, normalize, cfg, dist_info)
+        metrics = evaluate(forward)
         if ema is not None:
-            metrics |= evaluate(ema.module, test_images, test_labels, normalize, cfg, dist_info, prefix="eval_ema")
+            metrics |= evaluate(ema.module, of_ema=True)
         return run.log_eval(metrics)
 
     # ---- training loop --------------------------------------------------------------------
-    # The step reads plain dataclass copies of its settings: a DictConfig lookup costs about 20 µs.
-    trainer_cfg, optim_cfg = (OmegaConf.to_object(node) for node in (cfg.trainer, cfg.optim))
-    seed = cfg.seed
     model.train()
     while not run.training_done():
         for group in run.steps(sampler.index_batches(plan.micro_batch, device)):  # one optimizer step per group
-            generator = seeded_generator(device, seed, progress.step, dist_info.rank)
+            generator = seeded_generator(device, cfg.seed, progress.step, dist_info.rank)
             for i, batch in enumerate(group):
                 y = train_labels[batch]
-                x, targets = augmentation(train_images[batch], y, generator, seed, progress.step,
+                x, targets = augmentation(train_images[batch], y, generator, cfg.seed, progress.step,
                                           dist_info.rank, i)
-                if trainer_cfg.channels_last:
+                if cfg.trainer.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
-                skip_grad_sync = dist_info.distributed and i < len(group) - 1
-                with ddp_model.no_sync() if skip_grad_sync else contextlib.nullcontext():
-                    with autocast(device, trainer_cfg.precision):
+                with gradient_sync(ddp_model, i == len(group) - 1):
+                    with autocast(device, cfg.trainer.precision):
                         logits = forward(x)
-                        smoothing = 0.0 if augmentation.soft_targets else optim_cfg.label_smoothing
+                        smoothing = 0.0 if augmentation.soft_targets else cfg.optim.label_smoothing
                         loss = F.cross_entropy(logits.float(), targets, label_smoothing=smoothing)
                     scaler.scale(loss * (len(batch) / group.samples)).backward()
-                train_sums.add(loss=loss.detach() * len(batch), correct=(logits.argmax(1) == y).sum(),
-                               count=len(batch))
+                train_sums.add(loss=loss.detach() * len(batch), top1=(logits.argmax(1) == y).sum(), count=len(batch))
             grad_norm = None
-            if trainer_cfg.grad_clip_norm:
+            if cfg.trainer.grad_clip_norm:
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -157,11 +152,10 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
             if ema is not None:
                 ema.update(model, step=progress.step)
 
-            if progress.step % trainer_cfg.log_every_steps == 0:
+            if progress.step % cfg.trainer.log_every_steps == 0:
                 sums = train_sums.reduce()
                 train_sums.reset()
-                run.log_train({"train/loss": ratio(sums, "loss", "count"),
-                               "train/top1": ratio(sums, "correct", "count"),
+                run.log_train({"train/loss": ratio(sums, "loss", "count"), "train/top1": ratio(sums, "top1", "count"),
                                "train/lr": scheduler.get_last_lr()[0]})
         run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 

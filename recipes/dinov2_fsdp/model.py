@@ -109,11 +109,11 @@ def transformers_config(cfg: ModelConfig) -> Any:
     return config
 
 
-def _transformers_backbone(cfg: ModelConfig) -> nn.Module:
+def _transformers_backbone(cfg: ModelConfig, pretrained: bool) -> nn.Module:
     from transformers import Dinov2Model
 
     weights = _local_weights(cfg)
-    if cfg.pretrained:
+    if pretrained and cfg.pretrained:
         try:
             return Dinov2Model.from_pretrained(str(weights or cfg.name), attn_implementation="sdpa")
         except OSError as error:
@@ -144,25 +144,29 @@ def fit_position_table(backbone: nn.Module, image_size: int) -> None:
     backbone.config.image_size = image_size
 
 
-def _timm_backbone(cfg: ModelConfig) -> nn.Module:
+def _timm_backbone(cfg: ModelConfig, pretrained: bool) -> nn.Module:
     import timm
 
-    weights = _local_weights(cfg)
+    load = pretrained and cfg.pretrained
+    weights = _local_weights(cfg) if load else None
     overlay = {"file": str(weights_file(weights).resolve())} if weights is not None else None
     try:
-        return timm.create_model(cfg.name, pretrained=cfg.pretrained, num_classes=0, img_size=cfg.image_size,
+        return timm.create_model(cfg.name, pretrained=load, num_classes=0, img_size=cfg.image_size,
                                  pretrained_cfg_overlay=overlay)
     except Exception as error:
-        if cfg.pretrained and weights is None:  # fetched from the hub: offline, missing repository, auth
+        if load and weights is None:  # fetched from the hub: offline, missing repository, auth
             raise _unreachable(cfg, error) from error
         if isinstance(error, RuntimeError):  # unknown model name, or weights that do not fit the architecture
             raise UserError(f"cannot build timm model {cfg.name!r}: {str(error).splitlines()[0]}") from error
         raise
 
 
-def build_model(cfg: ModelConfig) -> DinoClassifier:
-    """The classifier on CPU in fp32; the backbone's weights are loaded here when pretrained."""
-    backbone = _transformers_backbone(cfg) if cfg.library == Library.transformers else _timm_backbone(cfg)
+def build_model(cfg: ModelConfig, pretrained: bool = True) -> DinoClassifier:
+    """The classifier on CPU in fp32, its backbone the architecture of ``cfg.name`` (of its pretrained
+    copy with ``cfg.pretrained``), with those weights when ``pretrained`` (a checkpoint or an export
+    brings the weights otherwise)."""
+    backbone = (_transformers_backbone(cfg, pretrained) if cfg.library == Library.transformers
+                else _timm_backbone(cfg, pretrained))
     patch = backbone.config.patch_size if cfg.library == Library.transformers else backbone.patch_embed.patch_size[0]
     if cfg.image_size % patch:
         raise UserError(f"model.image_size={cfg.image_size} is not a multiple of the patch size {patch}")

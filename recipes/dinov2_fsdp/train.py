@@ -19,16 +19,17 @@ from enum import Enum
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
 
 from common import cifar100
-from common.distributed import DistInfo
+from common.distributed import DistInfo, on_device
 from common.entry import recipe_main, training_process
 from common.errors import UserError
+from common.evaluate import evaluating
 from common.image_batches import Normalize, random_crop_and_flip
-from common.metrics import SumMetrics, ratio
-from common.optim import param_groups, scaled_lr, warmup_cosine
+from common.metrics import SumMetrics, add_classification, classification_metrics, ratio
+from common.optim import scaled_lr, warmup_cosine, weight_decay_groups
 from common.precision import autocast
+from common.recipes import Evaluate
 from common.rng import seed_everything, seeded_generator
 from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
@@ -43,7 +44,10 @@ class Stage(str, Enum):
     finetune = "finetune"
 
 
-def check_settings(cfg: DictConfig, dist_info: DistInfo) -> None:
+SPLITS = ("test",)  # CIFAR-100 has a train and a test split; training evaluates on test
+
+
+def check_settings(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
     """Settings this recipe cannot honour, refused before any work."""
     if not 0 <= cfg.stages.probe_epochs <= cfg.trainer.epochs:
         raise UserError(f"stages.probe_epochs={cfg.stages.probe_epochs} must be between 0 and "
@@ -69,65 +73,81 @@ def eval_batches(
     return list(zip(indices.split(batch_size), keep.split(batch_size)))
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, normalize: Normalize,
-             cfg: DictConfig, dist_info: DistInfo, precision: str) -> dict[str, float]:
-    """Loss and top-1 accuracy over the whole split from sums over all ranks (total correct / total count)."""
-    model.eval()
-    sums = SumMetrics(dist_info.device)
-    for batch, keep in eval_batches(len(images), dist_info.rank, dist_info.world_size, cfg.trainer.eval_batch_size):
-        batch, keep = batch.to(images.device), keep.to(images.device)
-        x = to_model_input(images[batch], cfg.model.image_size, normalize)
-        if cfg.trainer.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        with autocast(dist_info.device, precision):
-            logits = model(x).float()
-        y = labels[batch]
-        sums.add(loss=F.cross_entropy(logits, y, reduction="none") * keep,
-                 correct=(logits.argmax(1) == y) & keep, count=keep)
-    model.train()
-    totals = sums.reduce()
-    return {"eval/loss": ratio(totals, "loss", "count"), "eval/top1": ratio(totals, "correct", "count")}
+def model_as_trained(cfg: DinoV2FSDPConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
+    """The model as training holds it: on the device, sharded with FSDP2 over the ranks (or on one
+    rank with ``fsdp.on_one_rank``), in fp32 with FSDP's bf16 policy or whole under autocast."""
+    check_settings(cfg, dist_info)
+    model = on_device(build_model(cfg.model, pretrained), dist_info.device, cfg.trainer.channels_last)
+    if is_sharded(cfg, dist_info):
+        shard_with_fsdp(model, cfg.trainer.precision, cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload)
+    return model
+
+
+def is_sharded(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> bool:
+    return dist_info.distributed or cfg.fsdp.on_one_rank
+
+
+def compute_precision(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> str:
+    """The autocast precision around the model: none under FSDP, which casts its parameters itself."""
+    return "fp32" if is_sharded(cfg, dist_info) else cfg.trainer.precision
+
+
+def evaluator(cfg: DinoV2FSDPConfig, dist_info: DistInfo, split: str) -> Evaluate:
+    """Loss, top-1 and top-5 accuracy over the CIFAR-100 ``split``, from sums over all ranks; the
+    whole split on the device, resized to the model's input size batch by batch."""
+    data = cifar100.load_split(cfg.data.root, split)
+    images, labels = data.images.to(dist_info.device), data.labels.to(dist_info.device)
+    normalize = Normalize(MEAN, STD, dist_info.device, input_max=1)
+    batches = eval_batches(len(images), dist_info.rank, dist_info.world_size, cfg.trainer.eval_batch_size)
+    precision = compute_precision(cfg, dist_info)
+
+    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
+        sums = SumMetrics(dist_info.device)
+        with evaluating(model):
+            for batch, keep in batches:
+                batch, keep = batch.to(images.device), keep.to(images.device)
+                x = to_model_input(images[batch], cfg.model.image_size, normalize)
+                if cfg.trainer.channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with autocast(dist_info.device, precision):
+                    logits = model(x)
+                add_classification(sums, logits, labels[batch], keep)
+        return classification_metrics(sums.reduce(), "eval_ema" if of_ema else "eval")
+
+    return evaluate
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW over the trainable parameters, no weight decay on norms and biases; PyTorch's default
     implementation (foreach on CUDA), which works on FSDP2's sharded parameters."""
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr)
+    return torch.optim.AdamW(weight_decay_groups(model, weight_decay), lr=lr)
 
 
-def process_group(cfg: DictConfig) -> dict[str, bool]:
+def process_group(cfg: DinoV2FSDPConfig) -> dict[str, bool]:
     """The process group FSDP needs: gloo beside nccl for CPU offload, a group even of one rank."""
     return {"cpu_collectives": cfg.fsdp.cpu_offload, "group_of_one": cfg.fsdp.on_one_rank}
 
 
 @recipe_main(DinoV2FSDPConfig)
-def main(cfg: DictConfig) -> None:
+def main(cfg: DinoV2FSDPConfig) -> None:
     with training_process(cfg, **process_group(cfg)) as dist_info:
         train(cfg, dist_info)
 
 
-def train(cfg: DictConfig, dist_info: DistInfo) -> None:
+def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
     device = dist_info.device
     check_settings(cfg, dist_info)
     seed_everything(cfg.seed)
 
     # ---- data: CIFAR-100 as uint8 tensors on the device, checked before anything else -------
     train_split = cifar100.load_split(cfg.data.root, "train")
-    test_split = cifar100.load_split(cfg.data.root, "test")
     train_images, train_labels = train_split.images.to(device), train_split.labels.to(device)
-    test_images, test_labels = test_split.images.to(device), test_split.labels.to(device)
+    evaluate = evaluator(cfg, dist_info, SPLITS[0])
     normalize = Normalize(MEAN, STD, device, input_max=1)
 
     # ---- model: FSDP2 across ranks (bf16 parameters, fp32 reductions); one rank: autocast ----
-    model = build_model(cfg.model)
-    model.to(device)
-    if cfg.trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    sharded = dist_info.distributed or cfg.fsdp.on_one_rank
-    if sharded:
-        shard_with_fsdp(model, cfg.trainer.precision, cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload)
-    compute_precision = "fp32" if sharded else cfg.trainer.precision  # FSDP casts parameters itself
+    model = model_as_trained(cfg, dist_info)
+    sharded, precision = is_sharded(cfg, dist_info), compute_precision(cfg, dist_info)
     if cfg.trainer.compile:  # each block's forward; FSDP's hooks around it stay eager
         for block in model.blocks:
             block.forward = compile_static(block.forward)
@@ -177,14 +197,9 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     )
 
     def run_eval() -> dict[str, float]:
-        return run.log_eval(evaluate(model, test_images, test_labels, normalize, cfg, dist_info, compute_precision))
+        return run.log_eval(evaluate(model))
 
     # ---- training loop --------------------------------------------------------------------
-    # The step reads plain dataclass copies of its settings: a DictConfig lookup costs about 20 µs.
-    trainer_cfg, data_cfg, optim_cfg, model_cfg = (
-        OmegaConf.to_object(node) for node in (cfg.trainer, cfg.data, cfg.optim, cfg.model)
-    )
-    seed = cfg.seed
     model.train()
     while not run.training_done():
         if stage_of_epoch(progress.epoch) != stage:
@@ -195,35 +210,33 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
             run.console(f"stage {stage.value}: backbone unfrozen, lr {scheduler.base_lrs[0]:g} at step "
                         f"{progress.step}")
         for group in run.steps(sampler.index_batches(plan.micro_batch, device)):  # one optimizer step per group
-            generator = seeded_generator(device, seed, progress.step, dist_info.rank)
+            generator = seeded_generator(device, cfg.seed, progress.step, dist_info.rank)
             for i, batch in enumerate(group):
-                x = random_crop_and_flip(train_images[batch], data_cfg.random_crop_padding, data_cfg.horizontal_flip,
+                x = random_crop_and_flip(train_images[batch], cfg.data.random_crop_padding, cfg.data.horizontal_flip,
                                          generator, reflect=True)
-                x = to_model_input(x, model_cfg.image_size, normalize)
-                if trainer_cfg.channels_last:
+                x = to_model_input(x, cfg.model.image_size, normalize)
+                if cfg.trainer.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
                 y = train_labels[batch]
                 if sharded:
                     model.set_requires_gradient_sync(i == len(group) - 1)
-                with autocast(device, compute_precision):
+                with autocast(device, precision):
                     logits = model(x).float()
-                loss = F.cross_entropy(logits, y, label_smoothing=optim_cfg.label_smoothing)
+                loss = F.cross_entropy(logits, y, label_smoothing=cfg.optim.label_smoothing)
                 (loss * (len(batch) / group.samples)).backward()
-                train_sums.add(loss=loss.detach() * len(batch), correct=(logits.argmax(1) == y).sum(),
-                               count=len(batch))
+                train_sums.add(loss=loss.detach() * len(batch), top1=(logits.argmax(1) == y).sum(), count=len(batch))
             grad_norm = None
-            if trainer_cfg.grad_clip_norm:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
+            if cfg.trainer.grad_clip_norm:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             run.step_done(group.samples, grad_norm)
 
-            if progress.step % trainer_cfg.log_every_steps == 0:
+            if progress.step % cfg.trainer.log_every_steps == 0:
                 sums = train_sums.reduce()
                 train_sums.reset()
-                run.log_train({"train/loss": ratio(sums, "loss", "count"),
-                               "train/top1": ratio(sums, "correct", "count"),
+                run.log_train({"train/loss": ratio(sums, "loss", "count"), "train/top1": ratio(sums, "top1", "count"),
                                "train/lr": scheduler.get_last_lr()[0]})
         run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 

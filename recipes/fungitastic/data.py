@@ -24,7 +24,7 @@ from recipes.fungitastic.config import DataConfig
 
 
 @dataclass
-class Split:
+class SplitFiles:
     """One split's image paths and labels (``[N, len(ranks)]``, -1 where a rank is unknown)."""
 
     name: str
@@ -44,8 +44,8 @@ def split_csv(cfg: DataConfig, split: str) -> Path:
     return metadata.find_csv(cfg.root, cfg.subset, split)
 
 
-def load_split(cfg: DataConfig, split: str, mappings: dict) -> Split:
-    """Read and check a split: known species only, every listed image present (or skipped)."""
+def split_files(cfg: DataConfig, split: str, mappings: dict) -> SplitFiles:
+    """Read and check a split's CSV: known species only, every listed image present (or skipped)."""
     csv = split_csv(cfg, split)
     frame, unknown = metadata.known_species(metadata.read_metadata(csv))
     folder = metadata.image_dir(cfg.root, cfg.subset, split, cfg.size)
@@ -65,7 +65,7 @@ def load_split(cfg: DataConfig, split: str, mappings: dict) -> Split:
             raise UserError(f"{csv}: species label {int(species.max())} is outside the {num_species} species of "
                             f"the training split ({mappings['source']})")
     paths = [str(folder / name) for name in frame["filename"].astype(str)]
-    return Split(split, csv, paths, labels, unknown, len(missing))
+    return SplitFiles(split, csv, paths, labels, unknown, len(missing))
 
 
 def train_augmentation(cfg: DataConfig) -> TrainAugmentation:

@@ -18,7 +18,7 @@ from timm.optim import param_groups_layer_decay
 from torch import nn
 
 from common.errors import UserError
-from common.optim import param_groups
+from common.optim import weight_decay_groups
 from common.weights import missing, read_pretrained_cfg, read_state_dict
 from recipes.fungitastic.config import ModelConfig
 
@@ -34,6 +34,7 @@ class TaxonomyClassifier(nn.Module):
         self.ranks = list(ranks)
         self.dropout = nn.Dropout(dropout)
         self.heads = nn.ModuleDict({rank: nn.Linear(backbone.num_features, num_classes[rank]) for rank in ranks})
+        self.pretrained_parts = ""  # what build_model loaded from pretrained weights
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         features = self.dropout(self.backbone(images))
@@ -64,31 +65,49 @@ def is_hub_name(source: str) -> bool:
     return source.startswith(HUB_PREFIX) or timm.is_model(source)
 
 
-def pretrained_state(source: str) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """The state dict and, when known, timm's pretrained config (its input normalisation) of a
-    local copy (the folder `make prep-fungitastic` writes, or a weights file), or of a hub model
-    named explicitly (``hf-hub:owner/name`` or a timm pretrained tag), which is fetched now."""
+def _hub_model(source: str, pretrained: bool) -> nn.Module:
+    """A hub model named explicitly (``hf-hub:owner/name`` or a timm pretrained tag), fetched now:
+    its weights, or only its config (on the meta device, without ``pretrained``)."""
+    try:
+        if pretrained:
+            return timm.create_model(source, pretrained=True)
+        with torch.device("meta"):
+            return timm.create_model(source, pretrained=False)
+    except Exception as error:  # hub errors come in many types (offline, missing repo, auth)
+        raise UserError(f"model.pretrained={source!r} could not be fetched from the hub "
+                        f"({str(error).splitlines()[0]}); store a copy with `make prep-fungitastic` where the hub "
+                        f"is reachable (or from WEIGHTS=<dir or file>) and point model.pretrained at it") from error
+
+
+def pretrained_state(source: str) -> dict[str, torch.Tensor]:
+    """The state dict of a local copy (the folder `make prep-fungitastic` writes, or a weights
+    file), or of a hub model named explicitly."""
     path = Path(source)
     if path.exists():
-        return read_state_dict(path), read_pretrained_cfg(path) if path.is_dir() else None
+        return read_state_dict(path)
     if is_hub_name(source):
-        try:
-            hub_model = timm.create_model(source, pretrained=True)
-        except Exception as error:  # hub errors come in many types (offline, missing repo, auth)
-            raise UserError(f"model.pretrained={source!r} could not be fetched from the hub "
-                            f"({str(error).splitlines()[0]}); store a copy with `make prep-fungitastic` where the hub "
-                            f"is reachable (or from WEIGHTS=<dir or file>) and point model.pretrained at it") from error
-        return hub_model.state_dict(), dict(hub_model.pretrained_cfg)
+        return _hub_model(source, pretrained=True).state_dict()
     raise missing("model.pretrained", source, "fungitastic")
 
 
+def input_normalization(cfg: ModelConfig, image_size: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean and std the model's inputs are normalised with: those of its pretrained weights
+    (a local copy's timm ``config.json``, a hub model's config), else the architecture's default.
+    Read without the weights, so evaluation and export agree with training."""
+    pretrained_cfg = None
+    if cfg.pretrained and Path(cfg.pretrained).is_dir():
+        pretrained_cfg = read_pretrained_cfg(Path(cfg.pretrained))
+    elif cfg.pretrained and not Path(cfg.pretrained).exists() and is_hub_name(cfg.pretrained):
+        pretrained_cfg = _hub_model(cfg.pretrained, pretrained=False).pretrained_cfg
+    if pretrained_cfg is None:
+        with torch.device("meta"):
+            pretrained_cfg = create_backbone(cfg, image_size).pretrained_cfg
+    return tuple(pretrained_cfg["mean"]), tuple(pretrained_cfg["std"])
+
+
 def load_pretrained(model: TaxonomyClassifier, source: str) -> str:
-    """Load backbone weights (strictly) and, if its size fits, the species head; say what was loaded.
-    A hub model's input mean and std replace the backbone's defaults."""
-    state, hub_cfg = pretrained_state(source)
-    if hub_cfg is not None:
-        normalisation = {"mean": hub_cfg["mean"], "std": hub_cfg["std"]}
-        model.backbone.pretrained_cfg = {**model.backbone.pretrained_cfg, **normalisation}
+    """Load backbone weights (strictly) and, if its size fits, the species head; say what was loaded."""
+    state = pretrained_state(source)
     classifier = model.backbone.pretrained_cfg.get("classifier", "head")
     head = {key[len(classifier) + 1 :]: value for key, value in state.items() if key.startswith(f"{classifier}.")}
     backbone = {key: value for key, value in state.items() if not key.startswith(f"{classifier}.")}
@@ -109,20 +128,26 @@ def load_pretrained(model: TaxonomyClassifier, source: str) -> str:
     return "backbone"
 
 
-def build_model(cfg: ModelConfig, num_classes: dict[str, int], ranks: list[str], image_size: int) -> TaxonomyClassifier:
+def build_model(cfg: ModelConfig, num_classes: dict[str, int], ranks: list[str], image_size: int,
+                pretrained: bool = True) -> TaxonomyClassifier:
+    """The classifier, with the weights of ``cfg.pretrained`` when ``pretrained`` (what was loaded is
+    in its ``pretrained_parts``; a checkpoint or an export brings the weights otherwise)."""
     unknown = [rank for rank in ranks if rank not in num_classes]
     if unknown:
         raise UserError(f"data.ranks has {unknown}; taxonomic_mappings.json has {sorted(num_classes)}")
-    return TaxonomyClassifier(create_backbone(cfg, image_size), num_classes, ranks, cfg.head_dropout)
+    model = TaxonomyClassifier(create_backbone(cfg, image_size), num_classes, ranks, cfg.head_dropout)
+    if pretrained and cfg.pretrained:
+        model.pretrained_parts = load_pretrained(model, cfg.pretrained)
+    return model
 
 
-def optimizer_groups(model: TaxonomyClassifier, lr: float, weight_decay: float, layer_decay: float) -> list[dict]:
+def layer_decay_groups(model: TaxonomyClassifier, lr: float, weight_decay: float, layer_decay: float) -> list[dict]:
     """AdamW groups with no weight decay on norms and biases. With ``layer_decay`` in (0, 1) the
     backbone's layer ``i`` of ``L`` learns at ``lr * layer_decay^(L-i)`` (BEiT's fine-tuning rule,
     through timm; its ``no_weight_decay()`` parameters such as position embeddings get none), the
     heads at ``lr``."""
     if not layer_decay:
-        groups = param_groups(model, weight_decay)
+        groups = weight_decay_groups(model, weight_decay)
         for group in groups:
             group["lr"] = lr
         return groups
@@ -130,7 +155,7 @@ def optimizer_groups(model: TaxonomyClassifier, lr: float, weight_decay: float, 
     groups = param_groups_layer_decay(model.backbone, weight_decay, skip, layer_decay=layer_decay)
     for group in groups:
         group["lr"] = lr * group.pop("lr_scale")
-    for group in param_groups(model.heads, weight_decay):
+    for group in weight_decay_groups(model.heads, weight_decay):
         group["lr"] = lr
         groups.append(group)
     return groups

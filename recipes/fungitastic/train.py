@@ -14,18 +14,14 @@ validation and test metrics. The checkpoint with the best validation species mac
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
 from common.data import PerSampleSeeded, make_loader
-from common.distributed import DistInfo
+from common.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.entry import recipe_main, training_process
 from common.errors import UserError
+from common.evaluate import evaluating
 from common.image_batches import Normalize
 from common.images import DeviceTrainInput, ResizedImages, TrainImages, collate_train
 from common.metrics import SumMetrics, ratio
@@ -37,9 +33,11 @@ from common.sampler import ResumableDistributedSampler
 from common.steps import EpochTail, StepPlan, compile_static
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import FungiTasticConfig
-from recipes.fungitastic.data import Split, load_split, train_augmentation
+from recipes.fungitastic.data import split_files, train_augmentation
 from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
-from recipes.fungitastic.model import build_model, load_pretrained, optimizer_groups
+from recipes.fungitastic.model import build_model, input_normalization, layer_decay_groups
+
+SPLITS = ("val", "test")  # training evaluates on val each epoch, and on both at the end
 
 
 class MultiTaskLoss:
@@ -69,56 +67,79 @@ class MultiTaskLoss:
         return total
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, normalize: Normalize, cfg: DictConfig,
-             dist_info: DistInfo, criterion: MultiTaskLoss, num_classes: dict[str, int],
-             parents: dict[str, torch.Tensor], prefix: str) -> dict[str, float]:
-    """Top-1, top-3 and macro-F1 per rank and hierarchy consistency over the whole split, each
-    sample counted once across ranks."""
-    was_training = model.training
-    model.eval()
-    ranks = list(cfg.data.ranks)
-    heads = dict(num_classes)
-    if parents and cfg.model.derive_from_species:
-        heads |= {f"{rank}_from_species": num_classes[rank] for rank in parents}
-    loader.sampler.set_epoch(0)
-    metrics = TaxonomyMetrics(heads, parents, dist_info.device)
-    for images, labels in loader:
-        x = normalize(images)
-        if cfg.trainer.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        labels = labels.to(dist_info.device, non_blocking=True)
-        with autocast(dist_info.device, cfg.trainer.precision):
-            outputs = model(x)
-        outputs = {rank: logits.float() for rank, logits in outputs.items()}
-        metrics.add_loss(criterion(outputs, labels, training=False), len(labels))
-        for column, rank in enumerate(ranks):
-            metrics.add_rank(rank, outputs[rank], labels[:, column])
-        if parents:
-            metrics.add_consistency({rank: logits.argmax(1) for rank, logits in outputs.items()})
-            if cfg.model.derive_from_species:
-                for rank, table in parents.items():
-                    derived = species_marginals(outputs["species"], table, num_classes[rank])
-                    metrics.add_rank(f"{rank}_from_species", derived, labels[:, ranks.index(rank)])
-    model.train(was_training)
-    return metrics.compute(prefix)
+def class_counts(cfg: FungiTasticConfig, mappings: dict) -> dict[str, int]:
+    """Each configured rank's number of classes, from the label spaces `make prep-fungitastic` wrote."""
+    unknown = [rank for rank in cfg.data.ranks if rank not in mappings["num_classes"]]
+    if unknown:
+        raise UserError(f"data.ranks names {unknown}; taxonomic_mappings.json has {mappings['ranks']}")
+    return {rank: mappings["num_classes"][rank] for rank in cfg.data.ranks}
 
 
-def eval_loader(split: Split, cfg: DictConfig, dist_info: DistInfo, pin_memory: bool) -> DataLoader:
-    sampler = ResumableDistributedSampler(len(split.paths), dist_info.rank, dist_info.world_size, shuffle=False,
-                                          drop_last=False)
-    dataset = ResizedImages(split.paths, torch.from_numpy(split.labels), cfg.data.image_size, cfg.data.draft_decode)
-    return make_loader(dataset, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers, pin_memory,
-                       generator=torch.Generator())
+def model_as_trained(cfg: FungiTasticConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
+    """The model as training holds it, before DDP and compile: one head per rank, on the device."""
+    num_classes = class_counts(cfg, metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset))
+    model = build_model(cfg.model, num_classes, list(cfg.data.ranks), cfg.data.image_size, pretrained)
+    return on_device(model, dist_info.device, cfg.trainer.channels_last)
+
+
+class SplitEvaluation:
+    """The evaluation of one split (the recipe's evaluator): top-1, top-3 and macro-F1
+    per rank and hierarchy consistency (metrics named ``<split>/...``), each image counted once
+    across ranks; whole images resized to the model's input in DataLoader workers, normalised on
+    the device as training normalises them. ``files`` says which rows the split holds."""
+
+    def __init__(self, cfg: FungiTasticConfig, dist_info: DistInfo, split: str) -> None:
+        self.cfg, self.dist_info, self.split = cfg, dist_info, split
+        self.ranks = list(cfg.data.ranks)
+        mappings = metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset)
+        self.num_classes = class_counts(cfg, mappings)
+        self.files = split_files(cfg.data, split, mappings)
+        self.parents = ({rank: metadata.parent_table(mappings, rank) for rank in self.ranks if rank != "species"}
+                        if "species" in self.ranks else {})
+        self.heads = dict(self.num_classes)
+        if self.parents and cfg.model.derive_from_species:
+            self.heads |= {f"{rank}_from_species": self.num_classes[rank] for rank in self.parents}
+        self.criterion = MultiTaskLoss(self.ranks, dict(cfg.loss.rank_weights), {}, cfg.optim.label_smoothing)
+        sampler = ResumableDistributedSampler(len(self.files.paths), dist_info.rank, dist_info.world_size,
+                                              shuffle=False, drop_last=False)
+        images = ResizedImages(self.files.paths, torch.from_numpy(self.files.labels), cfg.data.image_size,
+                               cfg.data.draft_decode)
+        # Own generator: creating an iterator must not draw from the global RNG that drop path uses.
+        self.loader = make_loader(images, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
+                                  dist_info.device.type == "cuda", generator=torch.Generator())
+        self.normalize = Normalize(*input_normalization(cfg.model, cfg.data.image_size), dist_info.device)
+
+    def __call__(self, model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
+        cfg, device, ranks = self.cfg, self.dist_info.device, self.ranks
+        metrics = TaxonomyMetrics(self.heads, self.parents, device)
+        with evaluating(model):
+            for batch, labels in self.loader:
+                x = self.normalize(batch)
+                if cfg.trainer.channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                labels = labels.to(device, non_blocking=True)
+                with autocast(device, cfg.trainer.precision):
+                    outputs = model(x)
+                outputs = {rank: logits.float() for rank, logits in outputs.items()}
+                metrics.add_loss(self.criterion(outputs, labels, training=False), len(labels))
+                for column, rank in enumerate(ranks):
+                    metrics.add_rank(rank, outputs[rank], labels[:, column])
+                if self.parents:
+                    metrics.add_consistency({rank: logits.argmax(1) for rank, logits in outputs.items()})
+                    if cfg.model.derive_from_species:
+                        for rank, table in self.parents.items():
+                            derived = species_marginals(outputs["species"], table, self.num_classes[rank])
+                            metrics.add_rank(f"{rank}_from_species", derived, labels[:, ranks.index(rank)])
+        return metrics.compute(f"{self.split}_ema" if of_ema else self.split)
 
 
 @recipe_main(FungiTasticConfig)
-def main(cfg: DictConfig) -> None:
+def main(cfg: FungiTasticConfig) -> None:
     with training_process(cfg) as dist_info:
         train(cfg, dist_info)
 
 
-def train(cfg: DictConfig, dist_info: DistInfo) -> None:
+def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     device = dist_info.device
     seed_everything(cfg.seed)
     ranks = list(cfg.data.ranks)
@@ -131,14 +152,10 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
 
     # ---- data: label spaces and every split's CSV and images, checked before anything else -----
     mappings = metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset)
-    unknown_ranks = [rank for rank in ranks if rank not in mappings["num_classes"]]
-    if unknown_ranks:
-        raise UserError(f"data.ranks names {unknown_ranks}; taxonomic_mappings.json has {mappings['ranks']}")
-    splits = {name: load_split(cfg.data, name, mappings) for name in ("train", "val", "test")
-              if name != "test" or cfg.data.test_split}
-    num_classes = {rank: mappings["num_classes"][rank] for rank in ranks}
-    parents = ({rank: metadata.parent_table(mappings, rank) for rank in ranks if rank != "species"}
-               if "species" in ranks else {})
+    num_classes = class_counts(cfg, mappings)
+    train_files = split_files(cfg.data, "train", mappings)
+    evaluators = {split: SplitEvaluation(cfg, dist_info, split) for split in SPLITS
+                  if split != "test" or cfg.data.test_split}
     class_weights: dict[str, torch.Tensor] = {}
     if cfg.loss.class_weighted_ranks:
         stored = metadata.load_class_weights(cfg.data.prepared_dir, cfg.data.subset)
@@ -150,36 +167,27 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     criterion = MultiTaskLoss(ranks, dict(cfg.loss.rank_weights), class_weights, cfg.optim.label_smoothing)
 
     # ---- model ---------------------------------------------------------------------------------
-    model = build_model(cfg.model, num_classes, ranks, cfg.data.image_size)
-    loaded_weights = load_pretrained(model, cfg.model.pretrained) if cfg.model.pretrained else None
-    stats = (tuple(model.backbone.pretrained_cfg["mean"]), tuple(model.backbone.pretrained_cfg["std"]))
-    model = model.to(device)
-    if cfg.trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
-        if dist_info.distributed else model
+    model = model_as_trained(cfg, dist_info)
+    ddp_model = data_parallel(model, dist_info)
     forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- loaders: workers draw each sample's augmentation, seeded per (seed, epoch, index), and
     # decode and crop it (data.decode=cpu) or leave that to the device (gpu); normalised on the device
-    pin_memory = device.type == "cuda"
-    sampler = ResumableDistributedSampler(len(splits["train"].paths), dist_info.rank, dist_info.world_size,
+    sampler = ResumableDistributedSampler(len(train_files.paths), dist_info.rank, dist_info.world_size,
                                           seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
     plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.keep)
     augmentation = train_augmentation(cfg.data)
-    train_images = PerSampleSeeded(TrainImages(splits["train"].paths, torch.from_numpy(splits["train"].labels),
-                                               augmentation, cfg.data.decode, cfg.data.draft_decode), cfg.seed)
-    # Own generators: creating an iterator must not draw from the global RNG that drop path uses.
-    train_loader = make_loader(train_images, sampler, plan.micro_batch, cfg.trainer.num_workers, pin_memory,
+    train_images = PerSampleSeeded(TrainImages(train_files.paths, torch.from_numpy(train_files.labels), augmentation,
+                                               cfg.data.decode, cfg.data.draft_decode), cfg.seed)
+    # Own generator: creating an iterator must not draw from the global RNG that drop path uses.
+    train_loader = make_loader(train_images, sampler, plan.micro_batch, cfg.trainer.num_workers, device.type == "cuda",
                                collate_fn=collate_train, drop_last=plan.drop_last, generator=torch.Generator())
-    train_input = DeviceTrainInput(augmentation, cfg.data.decode, *stats, device)
-    eval_input = Normalize(*stats, device)
-    eval_loaders = {name: eval_loader(split, cfg, dist_info, pin_memory)
-                    for name, split in splits.items() if name != "train"}
+    train_input = DeviceTrainInput(augmentation, cfg.data.decode, *input_normalization(cfg.model, cfg.data.image_size),
+                                   device)
 
     # ---- optimization: LR rule, layer-wise groups, schedule ---------------------------------
     lr = scaled_lr(cfg.optim.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
-    optimizer = torch.optim.AdamW(optimizer_groups(model, lr, cfg.optim.weight_decay, cfg.optim.layer_decay),
+    optimizer = torch.optim.AdamW(layer_decay_groups(model, lr, cfg.optim.weight_decay, cfg.optim.layer_decay),
                                   lr=lr, betas=tuple(cfg.optim.betas))
     scheduler = warmup_cosine(optimizer, round(cfg.optim.warmup_epochs * plan.per_epoch), plan.total,
                               cfg.optim.min_lr_ratio)
@@ -190,16 +198,17 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
                                   scaler=scaler, sampler=sampler, train_sums=train_sums)
     progress = run.resume()
-    for split in splits.values():
-        run.console(f"{split.name}: {len(split.paths)} images from {split.csv}")
-        if split.unknown_species:
-            run.console(f"{split.name}: excluded {split.unknown_species} row(s) whose species is unknown (-1) "
+    splits = [train_files, *(evaluate.files for evaluate in evaluators.values())]
+    for files in splits:
+        run.console(f"{files.name}: {len(files.paths)} images from {files.csv}")
+        if files.unknown_species:
+            run.console(f"{files.name}: excluded {files.unknown_species} row(s) whose species is unknown (-1) "
                         f"from the closed-set metrics")
-        if split.skipped_missing:
-            run.console(f"{split.name}: skipped {split.skipped_missing} row(s) whose image is missing "
+        if files.skipped_missing:
+            run.console(f"{files.name}: skipped {files.skipped_missing} row(s) whose image is missing "
                         f"(data.skip_missing=true)")
-    if loaded_weights:
-        run.console(f"pretrained {loaded_weights} from {cfg.model.pretrained}")
+    if model.pretrained_parts:
+        run.console(f"pretrained {model.pretrained_parts} from {cfg.model.pretrained}")
     run.console(
         f"fungitastic: {cfg.model.name} with heads {', '.join(f'{r} ({num_classes[r]})' for r in ranks)} on "
         f"{dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, lr {lr:g}, {plan.total} steps; images "
@@ -207,58 +216,55 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     )
 
     def run_eval(split: str) -> dict[str, float]:
-        metrics = evaluate(forward, eval_loaders[split], eval_input, cfg, dist_info, criterion, num_classes, parents,
-                           prefix=split)
+        metrics = evaluators[split](forward)
         headline = [f"{split}/{rank}/{m}" for rank in ranks[:1] for m in ("top1", "top3", "f1")]
-        return run.log_eval(metrics, headline=headline + ([f"{split}/hierarchy_consistency"] if parents else []))
+        return run.log_eval(metrics, headline=headline + ([f"{split}/hierarchy_consistency"] if len(ranks) > 1
+                                                          and "species" in ranks else []))
 
     def final_eval() -> dict[str, float]:
         """Validation and, when the test split has labels, test metrics."""
-        return run_eval("val") | (run_eval("test") if "test" in eval_loaders else {})
+        return run_eval("val") | (run_eval("test") if "test" in evaluators else {})
 
     # ---- training loop --------------------------------------------------------------------
-    # The step reads plain dataclass copies of its settings: a DictConfig lookup costs about 20 µs.
-    trainer_cfg = OmegaConf.to_object(cfg.trainer)
     model.train()
     while not run.training_done():
         for group in run.steps(train_loader):  # one optimizer step per group of micro-batches
             for i, (inputs, labels) in enumerate(group):
                 x = train_input(inputs)
-                if trainer_cfg.channels_last:
+                if cfg.trainer.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
                 labels = labels.to(device, non_blocking=True)
-                skip_grad_sync = dist_info.distributed and i < len(group) - 1
-                with ddp_model.no_sync() if skip_grad_sync else contextlib.nullcontext():
-                    with autocast(device, trainer_cfg.precision):
+                with gradient_sync(ddp_model, i == len(group) - 1):
+                    with autocast(device, cfg.trainer.precision):
                         outputs = forward(x)
                         loss = criterion(outputs, labels)
                     scaler.scale(loss * (len(labels) / group.samples)).backward()
-                hits = {f"correct_{rank}": (outputs[rank].argmax(1) == labels[:, column]).sum()
+                hits = {f"top1_{rank}": (outputs[rank].argmax(1) == labels[:, column]).sum()
                         for column, rank in enumerate(ranks)}
                 known = {f"count_{rank}": (labels[:, column] != metadata.UNKNOWN).sum()
                          for column, rank in enumerate(ranks)}
                 train_sums.add(loss=loss.detach() * len(labels), count=len(labels), **hits, **known)
             grad_norm = None
-            if trainer_cfg.grad_clip_norm:
+            if cfg.trainer.grad_clip_norm:
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             run.step_done(group.samples, grad_norm)
 
-            if progress.step % trainer_cfg.log_every_steps == 0:
+            if progress.step % cfg.trainer.log_every_steps == 0:
                 sums = train_sums.reduce()
                 train_sums.reset()
                 metrics = {"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0]}
-                metrics |= {f"train/{rank}/top1": ratio(sums, f"correct_{rank}", f"count_{rank}") for rank in ranks}
+                metrics |= {f"train/{rank}/top1": ratio(sums, f"top1_{rank}", f"count_{rank}") for rank in ranks}
                 run.log_train(metrics)
         run.end_epoch(lambda: run_eval("val"))  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 
     # ---- finish: final validation and test evaluation and checkpoint, then summary.json ------
-    run.finish(final_eval, excluded_unknown_species={name: split.unknown_species for name, split in splits.items()},
-               skipped_missing_images={name: split.skipped_missing for name, split in splits.items()})
+    run.finish(final_eval, excluded_unknown_species={files.name: files.unknown_species for files in splits},
+               skipped_missing_images={files.name: files.skipped_missing for files in splits})
 
 
 if __name__ == "__main__":

@@ -70,6 +70,12 @@ def check_layout(root: str | Path, train_split: str, val_split: str) -> tuple[Pa
     return folders[0], folders[1]
 
 
+def class_names(cfg: DataConfig) -> list[str]:
+    """The class folders (the model's outputs, in order), read from the val folder's listing."""
+    _, val_dir = check_layout(cfg.root, cfg.train_split, cfg.val_split)
+    return sorted(path.name for path in val_dir.iterdir() if path.is_dir())
+
+
 def image_folder(folder: Path, transform: Any) -> ImageFolder:
     try:
         return ImageFolder(str(folder), transform=transform, loader=load_rgb)
@@ -123,6 +129,6 @@ def eval_transform(data_config: dict[str, Any]) -> Any:
     return create_transform(**data_config, is_training=False, use_prefetcher=True)
 
 
-def describe(data_config: dict[str, Any], with_crop: bool) -> str:
+def describe_input(data_config: dict[str, Any], with_crop: bool) -> str:
     text = f"{data_config['input_size'][-1]}px {data_config['interpolation']}"
     return f"{text} (crop_pct {data_config['crop_pct']:.4g})" if with_crop else text

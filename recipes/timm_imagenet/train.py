@@ -17,29 +17,27 @@ finish the step, checkpoint and exit with code 75; a finished run writes ``summa
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
 from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2, list_optimizers
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
 from common.data import PerSampleSeeded, make_loader
-from common.distributed import DistInfo, broadcast_buffers
+from common.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.entry import recipe_main, training_process
 from common.errors import UserError
+from common.evaluate import evaluating
 from common.image_batches import Normalize
 from common.images import DeviceTrainInput, TrainImages, collate_train
-from common.metrics import SumMetrics, ratio
+from common.metrics import SumMetrics, add_classification, classification_metrics, ratio
 from common.optim import scaled_lr
 from common.precision import autocast, grad_scaler
+from common.recipes import Evaluate
 from common.rng import seed_everything, seeded_global_rng
 from common.run import TrainingRun
 from common.sampler import ResumableDistributedSampler
@@ -48,7 +46,8 @@ from common.steps import EpochTail, StepPlan, compile_static
 from recipes.timm_imagenet.config import TimmImageNetConfig
 from recipes.timm_imagenet.data import (
     check_layout,
-    describe,
+    class_names,
+    describe_input,
     eval_transform,
     image_folder,
     random_erasing,
@@ -58,33 +57,47 @@ from recipes.timm_imagenet.data import (
 from recipes.timm_imagenet.model import build_model
 from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
 
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, normalize: Normalize, cfg: DictConfig,
-             device: torch.device, prefix: str) -> dict[str, float]:
-    """Loss, top-1 and top-5 over the whole split, each image counted once across ranks."""
-    broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed
-    was_training = model.training
-    model.eval()
-    sums = SumMetrics(device)
-    sums.add(loss=0.0, top1=0, top5=0, count=0)  # a rank with no images still joins the reduction
-    for images, labels in loader:
-        images, labels = normalize(images), labels.to(device, non_blocking=True)
-        if cfg.trainer.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        with autocast(device, cfg.trainer.precision):
-            logits = model(images)
-        logits = logits.float()
-        hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]
-        sums.add(loss=F.cross_entropy(logits, labels, reduction="sum"), top1=hits[:, 0].sum(),
-                 top5=hits.any(dim=1).sum(), count=len(labels))
-    model.train(was_training)
-    totals = sums.reduce()
-    return {f"{prefix}/loss": ratio(totals, "loss", "count"), f"{prefix}/top1": ratio(totals, "top1", "count"),
-            f"{prefix}/top5": ratio(totals, "top5", "count")}
+SPLITS = ("val",)  # data.val_split of the ImageFolder tree; ImageNet's test labels are not public
 
 
-def make_criterion(cfg: DictConfig, mixing: bool) -> torch.nn.Module:
+def model_as_trained(cfg: TimmImageNetConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
+    """The model as training holds it, before DDP and compile: one output per class folder."""
+    model = build_model(cfg.model, len(class_names(cfg.data)), pretrained)
+    return on_device(model, dist_info.device, cfg.trainer.channels_last)
+
+
+def evaluator(cfg: TimmImageNetConfig, dist_info: DistInfo, split: str) -> Evaluate:
+    """Loss, top-1 and top-5 over the val folder with timm's evaluation transform (resize, centre
+    crop; normalised on the device), each image counted once across ranks."""
+    _, val_dir = check_layout(cfg.data.root, cfg.data.train_split, cfg.data.val_split)
+    images = image_folder(val_dir, None)
+    with torch.device("meta"):  # only its data config (size, interpolation, mean and std) is read
+        eval_config = resolve(build_model(cfg.model, len(images.classes), pretrained=False), cfg.data.eval_size,
+                              cfg.data.eval_crop_pct, cfg.data.interpolation)
+    images.transform = eval_transform(eval_config)
+    sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,
+                                          drop_last=False)
+    loader = make_loader(images, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
+                         dist_info.device.type == "cuda")
+    normalize = Normalize(eval_config["mean"], eval_config["std"], dist_info.device)
+
+    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
+        sums = SumMetrics(dist_info.device)
+        sums.add(loss=0.0, top1=0, top5=0, count=0)  # a rank with no images still joins the reduction
+        with evaluating(model):
+            for batch, labels in loader:
+                x = normalize(batch)
+                if cfg.trainer.channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                with autocast(dist_info.device, cfg.trainer.precision):
+                    logits = model(x)
+                add_classification(sums, logits, labels.to(dist_info.device, non_blocking=True))
+        return classification_metrics(sums.reduce(), "eval_ema" if of_ema else "eval")
+
+    return evaluate
+
+
+def make_criterion(cfg: TimmImageNetConfig, mixing: bool) -> torch.nn.Module:
     """timm train.py's choice of loss: soft targets with Mixup/CutMix, else label smoothing."""
     threshold = cfg.optim.bce_target_thresh or None
     if cfg.optim.loss == "bce":
@@ -98,12 +111,12 @@ def make_criterion(cfg: DictConfig, mixing: bool) -> torch.nn.Module:
 
 
 @recipe_main(TimmImageNetConfig)
-def main(cfg: DictConfig) -> None:
+def main(cfg: TimmImageNetConfig) -> None:
     with training_process(cfg) as dist_info:
         train(cfg, dist_info)
 
 
-def train(cfg: DictConfig, dist_info: DistInfo) -> None:
+def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     device = dist_info.device
     seed_everything(cfg.seed)
 
@@ -112,27 +125,23 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
     check_layout(root, cfg.data.train_split, cfg.data.val_split)
     if cfg.data.stage_to_local:
         root = stage_directory(root, cfg.data.stage_dir, dist_info.local_rank)
-    train_dir, val_dir = check_layout(root, cfg.data.train_split, cfg.data.val_split)
-    train_folder, val_images = image_folder(train_dir, None), image_folder(val_dir, None)
+    staged = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(root)))  # read from here
+    train_dir, _ = check_layout(root, cfg.data.train_split, cfg.data.val_split)
+    train_folder = image_folder(train_dir, None)
     num_classes = len(train_folder.classes)
+    evaluate = evaluator(staged, dist_info, SPLITS[0])
 
     # ---- model, and the data config that goes with it (sizes, interpolation, mean/std) -------
-    model = build_model(cfg.model, num_classes)
+    model = model_as_trained(staged, dist_info)
     train_config = resolve(model, cfg.data.train_size, 0.0, cfg.data.interpolation)
     eval_config = resolve(model, cfg.data.eval_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
     augmentation = train_augmentation(cfg.data, train_config)
     train_images = TrainImages([path for path, _ in train_folder.samples], train_folder.targets, augmentation,
                                cfg.data.decode, cfg.data.draft_decode)
-    val_images.transform = eval_transform(eval_config)
     train_input = DeviceTrainInput(augmentation, cfg.data.decode, train_config["mean"], train_config["std"], device,
                                    random_erasing(cfg.data, device))
-    eval_input = Normalize(eval_config["mean"], eval_config["std"], device)
-    model = model.to(device)
-    if cfg.trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
     ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
-    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
-        if dist_info.distributed else model
+    ddp_model = data_parallel(model, dist_info)
     forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- samplers, loaders, steps: full micro-batches only, as in timm (BatchNorm) -------------
@@ -148,14 +157,9 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         sampler = ResumableDistributedSampler(len(train_images), dist_info.rank, dist_info.world_size,
                                               seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
     plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.drop_partial_batch)
-    pin_memory = device.type == "cuda"
     train_loader = make_loader(PerSampleSeeded(train_images, cfg.seed), sampler, plan.micro_batch,
-                               cfg.trainer.num_workers, pin_memory, collate_fn=collate_train, drop_last=plan.drop_last)
-    eval_sampler = ResumableDistributedSampler(len(val_images), dist_info.rank, dist_info.world_size,
-                                               shuffle=False, drop_last=False)
-    eval_sampler.set_epoch(0)
-    eval_loader = make_loader(val_images, eval_sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
-                              pin_memory)
+                               cfg.trainer.num_workers, device.type == "cuda", collate_fn=collate_train,
+                               drop_last=plan.drop_last)
 
     # ---- optimization: LR rule, timm optimizer and schedule, Mixup, loss -----------------------
     lr = scaled_lr(cfg.optim.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
@@ -166,10 +170,10 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
         momentum=cfg.optim.momentum, **({"eps": cfg.optim.opt_eps} if cfg.optim.opt_eps else {}),
     )
     scheduler, _ = create_scheduler_v2(  # epochs=0 only evaluates (e.g. published weights); the schedule needs >= 1
-        optimizer, sched=cfg.optim.sched, num_epochs=max(1, cfg.trainer.epochs), decay_epochs=cfg.optim.decay_epochs,
-        decay_milestones=list(cfg.optim.decay_milestones), decay_rate=cfg.optim.decay_rate,
-        min_lr=cfg.optim.min_lr, warmup_lr=cfg.optim.warmup_lr, warmup_epochs=cfg.optim.warmup_epochs,
-        step_on_epochs=False, updates_per_epoch=plan.per_epoch,
+        optimizer, sched=cfg.optim.sched.value, num_epochs=max(1, cfg.trainer.epochs),
+        decay_epochs=cfg.optim.decay_epochs, decay_milestones=list(cfg.optim.decay_milestones),
+        decay_rate=cfg.optim.decay_rate, min_lr=cfg.optim.min_lr, warmup_lr=cfg.optim.warmup_lr,
+        warmup_epochs=cfg.optim.warmup_epochs, step_on_epochs=False, updates_per_epoch=plan.per_epoch,
     )
     mixup = Mixup(mixup_alpha=cfg.mixup.mixup_alpha, cutmix_alpha=cfg.mixup.cutmix_alpha, prob=cfg.mixup.prob,
                   switch_prob=cfg.mixup.switch_prob, mode=cfg.mixup.mode, label_smoothing=cfg.optim.label_smoothing,
@@ -184,61 +188,55 @@ def train(cfg: DictConfig, dist_info: DistInfo) -> None:
                                   extra_state={"ema": ema.module} if ema is not None else None)
     progress = run.resume()
     run.console(
-        f"timm_imagenet: {cfg.model.name}, {num_classes} classes, {len(train_images)} train / "
-        f"{len(val_images)} val images from {root}\n"
-        f"  train {describe(train_config, with_crop=False)} decoded on {cfg.data.decode.value}, eval "
-        f"{describe(eval_config, with_crop=True)}, {train_loader.num_workers} loader workers per rank\n"
+        f"timm_imagenet: {cfg.model.name}, {num_classes} classes, {len(train_images)} train images from {root}\n"
+        f"  train {describe_input(train_config, with_crop=False)} decoded on {cfg.data.decode.value}, eval "
+        f"{describe_input(eval_config, with_crop=True)}, {train_loader.num_workers} loader workers per rank\n"
         f"  {dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, {cfg.optim.opt} lr {lr:g}, "
         f"{plan.total} steps"
     )
 
     def run_eval() -> dict[str, float]:
-        metrics = evaluate(forward, eval_loader, eval_input, cfg, device, "eval")
+        metrics = evaluate(forward)
         if ema is not None:
-            metrics |= evaluate(ema.module, eval_loader, eval_input, cfg, device, "eval_ema")
+            metrics |= evaluate(ema.module, of_ema=True)
         return run.log_eval(metrics)
 
     # ---- training loop --------------------------------------------------------------------
-    # The step reads plain dataclass copies of its settings: a DictConfig lookup costs about 20 µs.
-    trainer_cfg = OmegaConf.to_object(cfg.trainer)
-    seed = cfg.seed
     model.train()
     while not run.training_done():
         for group in run.steps(train_loader):  # one optimizer step per group of micro-batches
             # timm's Mixup draws from NumPy's global generator and drop path from torch's: seeded per step.
-            with seeded_global_rng(seed, progress.step, dist_info.rank):
+            with seeded_global_rng(cfg.seed, progress.step, dist_info.rank):
                 for i, (inputs, labels) in enumerate(group):
                     images, labels = train_input(inputs), labels.to(device, non_blocking=True)
                     targets = labels
                     if mixup is not None:
                         images, targets = mixup(images, labels)
-                    if trainer_cfg.channels_last:
+                    if cfg.trainer.channels_last:
                         images = images.contiguous(memory_format=torch.channels_last)
-                    skip_grad_sync = dist_info.distributed and i < len(group) - 1
-                    with ddp_model.no_sync() if skip_grad_sync else contextlib.nullcontext():
-                        with autocast(device, trainer_cfg.precision):
+                    with gradient_sync(ddp_model, i == len(group) - 1):
+                        with autocast(device, cfg.trainer.precision):
                             logits = forward(images)
                             loss = criterion(logits, targets)
-                        scaler.scale(loss / len(group)).backward()
-                    train_sums.add(loss=loss.detach() * len(labels), correct=(logits.argmax(1) == labels).sum(),
+                        scaler.scale(loss * (len(labels) / group.samples)).backward()
+                    train_sums.add(loss=loss.detach() * len(labels), top1=(logits.argmax(1) == labels).sum(),
                                    count=len(labels))
             grad_norm = None
-            if trainer_cfg.grad_clip_norm:
+            if cfg.trainer.grad_clip_norm:
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            if ema is not None:
-                ema.update(model, step=progress.step)
             run.step_done(group.samples, grad_norm)
             scheduler.step_update(num_updates=progress.step)
+            if ema is not None:
+                ema.update(model, step=progress.step)
 
-            if progress.step % trainer_cfg.log_every_steps == 0:
+            if progress.step % cfg.trainer.log_every_steps == 0:
                 sums = train_sums.reduce()
                 train_sums.reset()
-                run.log_train({"train/loss": ratio(sums, "loss", "count"),
-                               "train/top1": ratio(sums, "correct", "count"),
+                run.log_train({"train/loss": ratio(sums, "loss", "count"), "train/top1": ratio(sums, "top1", "count"),
                                "train/lr": optimizer.param_groups[0]["lr"]})
         run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 

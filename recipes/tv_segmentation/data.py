@@ -36,6 +36,11 @@ VOC_CLASSES = (
     "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train", "tvmonitor",
 )
 
+
+def class_names(num_classes: int) -> list[str]:
+    """Pascal VOC's names when there are its 21 classes, else ``class_<i>``."""
+    return list(VOC_CLASSES) if num_classes == len(VOC_CLASSES) else [f"class_{i}" for i in range(num_classes)]
+
 cv2.setNumThreads(0)  # DataLoader workers already run in parallel
 
 

@@ -61,12 +61,15 @@ def load_backbone(backbone: nn.Module, path: str) -> int:
     return len(loaded)
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+def build_model(cfg: ModelConfig, pretrained: bool = True) -> nn.Module:
+    """``cfg.name`` from torchvision, with ``cfg.weights`` and ``cfg.weights_backbone`` when
+    ``pretrained`` (a checkpoint or an export brings the weights otherwise)."""
     if cfg.name not in available_models():
         raise UserError(f"model.name={cfg.name} is not a torchvision segmentation model; "
                         f"choose one of {', '.join(available_models())}")
-    hub_weights = cfg.weights if cfg.weights and not _is_local(cfg.weights) else None
-    hub_backbone = cfg.weights_backbone if cfg.weights_backbone and not _is_local(cfg.weights_backbone) else None
+    weights, weights_backbone = (cfg.weights, cfg.weights_backbone) if pretrained else ("", "")
+    hub_weights = weights if weights and not _is_local(weights) else None
+    hub_backbone = weights_backbone if weights_backbone and not _is_local(weights_backbone) else None
     options = {"aux_loss": True} if cfg.aux_loss else {}
     try:
         model = torchvision.models.get_model(cfg.name, weights=hub_weights, weights_backbone=hub_backbone,
@@ -74,17 +77,17 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     except (KeyError, ValueError, NotImplementedError) as error:
         raise UserError(f"cannot build {cfg.name} with weights={cfg.weights!r}, "
                         f"weights_backbone={cfg.weights_backbone!r}: {error}") from error
-    if cfg.weights_backbone and hub_backbone is None:
-        load_backbone(model.backbone, cfg.weights_backbone)
-    if cfg.weights and hub_weights is None:
+    if weights_backbone and hub_backbone is None:
+        load_backbone(model.backbone, weights_backbone)
+    if weights and hub_weights is None:
         try:
-            model.load_state_dict(read_state_dict(cfg.weights))
+            model.load_state_dict(read_state_dict(weights))
         except RuntimeError as error:
-            raise UserError(f"{cfg.weights} does not fit {cfg.name}: {str(error).splitlines()[1].strip()}") from error
+            raise UserError(f"{weights} does not fit {cfg.name}: {str(error).splitlines()[1].strip()}") from error
     return model
 
 
-def param_groups(model: nn.Module, aux_lr: float) -> list[dict]:
+def head_lr_groups(model: nn.Module, aux_lr: float) -> list[dict]:
     """torchvision's groups: backbone and main head at the base LR, auxiliary head at 10x;
     weight decay on every parameter, as the reference does."""
     unwrapped = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model

@@ -1,4 +1,5 @@
-"""What ``make export`` writes for dinov2_fsdp, and the model rebuilt from it (``common/export.py``).
+"""dinov2_fsdp as the shared tools see it (``common/recipes.py``): ``make eval``, ``make export`` and
+``init_from=`` read this alone.
 
 The FSDP shards are consolidated into one ``model.safetensors``. With transformers (the default)
 its names are those of ``Dinov2ForImageClassification`` (``dinov2.*`` and ``classifier.*``) and
@@ -14,42 +15,40 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
 from torch import nn
 
 from common import cifar100
 from common.export import timm_loading
+from common.recipes import RecipeSpec
+from recipes.dinov2_fsdp.config import DinoV2FSDPConfig, ModelConfig
 from recipes.dinov2_fsdp.data import MEAN, STD
 from recipes.dinov2_fsdp.model import NUM_CLASSES, DinoClassifier, transformers_config
+from recipes.dinov2_fsdp.train import SPLITS, evaluator, model_as_trained, process_group
 
 WHOLE_CLASSIFIER = "Dinov2ForImageClassification"  # its head reads the CLS token and the mean patch token
 
 
-def key_prefixes(model_cfg: DictConfig) -> list[tuple[str, str]]:
+def export_names(model_cfg: ModelConfig) -> list[tuple[str, str]]:
     if model_cfg.library == "transformers":
         return [("backbone.", "dinov2."), ("head.", "classifier.")]
     return [("backbone.", ""), ("head.", "head.")]
 
 
-def head_prefixes(model_cfg: DictConfig) -> list[str]:
-    return ["head."]
-
-
-def describe(cfg: DictConfig) -> dict[str, Any]:
+def export_metadata(cfg: DinoV2FSDPConfig) -> dict[str, Any]:
     size = [3, cfg.model.image_size, cfg.model.image_size]
-    described = {"input": {"size": size, "mean": list(MEAN), "std": list(STD),
-                           "pixels": "32x32 images resized to size (bicubic), / 255, then (x - mean) / std"},
-                 "num_classes": NUM_CLASSES, "classes": cifar100.class_names(cfg.data.root)}
+    metadata = {"input": {"size": size, "mean": list(MEAN), "std": list(STD),
+                          "pixels": "32x32 images resized to size (bicubic), / 255, then (x - mean) / std"},
+                "num_classes": NUM_CLASSES, "classes": cifar100.class_names(cfg.data.root)}
     if cfg.model.library == "transformers":
         whole = cfg.model.features == "cls_patch_mean"
-        described["transformers"] = {"class": WHOLE_CLASSIFIER if whole else "Dinov2Model"}
+        metadata["transformers"] = {"class": WHOLE_CLASSIFIER if whole else "Dinov2Model"}
     elif cfg.model.features == "cls":
-        described["timm"] = timm_loading(cfg.model.name, NUM_CLASSES, size, MEAN, STD,
-                                         {"img_size": cfg.model.image_size})
-    return described
+        metadata["timm"] = timm_loading(cfg.model.name, NUM_CLASSES, size, MEAN, STD,
+                                        {"img_size": cfg.model.image_size})
+    return metadata
 
 
-def write_extras(cfg: DictConfig, folder: Path, metadata: dict[str, Any]) -> None:
+def write_export_extras(cfg: DinoV2FSDPConfig, folder: Path, metadata: dict[str, Any]) -> None:
     """transformers' ``config.json`` of the backbone, with the classes as its labels."""
     if cfg.model.library != "transformers":
         return
@@ -60,7 +59,7 @@ def write_extras(cfg: DictConfig, folder: Path, metadata: dict[str, Any]) -> Non
     config.save_pretrained(folder)
 
 
-def rebuild(model_cfg: DictConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:
+def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:
     if model_cfg.library == "transformers":
         from transformers import Dinov2Config, Dinov2Model
 
@@ -73,3 +72,17 @@ def rebuild(model_cfg: DictConfig, metadata: dict[str, Any], folder: Path) -> nn
         backbone = timm.create_model(model_cfg.name, pretrained=False, num_classes=0,
                                      img_size=metadata["input"]["size"][-1])
     return DinoClassifier(backbone, model_cfg.library, model_cfg.features)
+
+
+SPEC = RecipeSpec(
+    schema=DinoV2FSDPConfig,
+    model_as_trained=model_as_trained,
+    splits=SPLITS,
+    evaluator=evaluator,
+    export_names=export_names,
+    head_names=lambda model_cfg: ["head."],
+    export_metadata=export_metadata,
+    model_from_export=model_from_export,
+    write_export_extras=write_export_extras,
+    process_group=process_group,
+)

@@ -1,0 +1,79 @@
+"""Each recipe as the shared tools see it, declared in one place: ``recipes/<recipe>/spec.py``.
+
+``make eval``, ``make export`` and ``init_from=`` need a few things of a recipe and nothing else:
+its config schema, its model built as training builds it, its evaluation of a split, and the
+names its tensors have outside it. The recipe hands them over in one :class:`RecipeSpec` (as
+torchtitan's ``ModelSpec`` does); :func:`load_recipe` checks it and names, in one line, what a
+copied recipe lacks. The functions it points at live where the recipe's own code uses them: the
+model in ``model.py``, its placement and the evaluation beside the loop in ``train.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
+
+from common.config import RunConfig
+from common.distributed import DistInfo
+from common.errors import UserError
+
+
+class Evaluate(Protocol):
+    """A split's evaluation, its data ready: the metrics of ``model`` over the whole split, each
+    sample counted once across ranks; ``of_ema``: ``model`` holds an EMA of the weights, and the
+    metrics are named for it (``eval_ema/top1``)."""
+
+    def __call__(self, model: nn.Module, of_ema: bool = False) -> dict[str, float]: ...
+
+
+def no_process_group_options(cfg: Any) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeSpec:
+    """What the shared tools call of a recipe (``cfg``: the recipe's schema, typed)."""
+
+    schema: type[RunConfig]  # config.py's dataclass: every key and default of the recipe
+    model_as_trained: Callable[[Any, DistInfo, bool], nn.Module]
+    """``(cfg, dist_info, pretrained)``: the model as training holds it before DDP and compile (on
+    the device, FSDP-sharded where training shards it); ``pretrained=False`` leaves out the
+    pretrained weights a checkpoint replaces anyway."""
+    splits: tuple[str, ...]  # the splits its data has; the first is the one training evaluates
+    evaluator: Callable[[Any, DistInfo, str], Evaluate]  # ``(cfg, dist_info, split)``: data ready, model to come
+    export_names: Callable[[Any], list[tuple[str, str]]]
+    """``(model_cfg)``: ``(prefix in the model, prefix in an export)`` pairs, the export's names
+    being those of the library the model comes from (timm, torchvision, transformers)."""
+    head_names: Callable[[Any], list[str]]  # ``(model_cfg)``: the classifier's prefixes, in the model's names
+    export_metadata: Callable[[Any], dict[str, Any]]  # ``(cfg)``: input, classes, how a library loads it
+    model_from_export: Callable[[Any, dict[str, Any], Path], nn.Module]  # ``(model_cfg, metadata, folder)``
+    export_files: dict[str, str] = field(default_factory=dict)  # export name prefix -> file, beside model.safetensors
+    write_export_extras: Callable[[Any, Path, dict[str, Any]], None] | None = None  # e.g. transformers' config.json
+    process_group: Callable[[Any], dict[str, Any]] = no_process_group_options
+    """``(cfg)``: options for ``common.distributed.init_distributed`` the model needs (FSDP2 on one GPU)."""
+
+
+def load_recipe(recipe: str) -> RecipeSpec:
+    """``recipes/<recipe>/spec.py``'s ``SPEC``, checked; a missing or incomplete one is one line."""
+    try:
+        module = importlib.import_module(f"recipes.{recipe}.spec")
+    except ModuleNotFoundError as error:
+        if error.name not in (f"recipes.{recipe}", f"recipes.{recipe}.spec"):
+            raise
+        raise UserError(f"there is no recipe {recipe!r}: recipes/{recipe}/spec.py is missing "
+                        f"(copy a recipe with `make new-recipe`)") from error
+    except TypeError as error:  # RecipeSpec(...) without one of its hooks
+        raise UserError(f"recipes/{recipe}/spec.py: {error}; every hook is described in common/recipes.py, and "
+                        f"recipes/fashion_mnist/spec.py shows each one") from error
+    spec = getattr(module, "SPEC", None)
+    if not isinstance(spec, RecipeSpec):
+        raise UserError(f"recipes/{recipe}/spec.py defines no SPEC = RecipeSpec(...) "
+                        f"(see recipes/fashion_mnist/spec.py)")
+    if spec.schema.recipe != recipe:
+        raise UserError(f"recipes/{recipe}/spec.py declares the schema of {spec.schema.recipe!r}")
+    return spec
