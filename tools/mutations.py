@@ -38,9 +38,9 @@ MUTATIONS: list[Mutation] = [
         "timm-augmentation-seeded-by-step-of-this-process", "recipes/timm_imagenet/train.py",
         "        for group in run.steps(train_loader):  # one optimizer step per group of micro-batches\n"
         "            # timm's Mixup draws from NumPy's global generator and drop path from torch's: seeded per step.\n"
-        "            with seeded_global_rng(seed, progress.step, dist_info.rank):",
+        "            with seeded_global_rng(cfg.seed, progress.step, dist_info.rank):",
         "        for steps_here, group in enumerate(run.steps(train_loader)):\n"
-        "            with seeded_global_rng(seed, steps_here, dist_info.rank):",
+        "            with seeded_global_rng(cfg.seed, steps_here, dist_info.rank):",
         (f"tests/test_timm_imagenet.py::{CHAIN}[2-SIGUSR1]",),
         "a run resumed mid-epoch draws other augmentations than the uninterrupted run",
     ),
@@ -179,29 +179,29 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "eval-drops-the-last-samples", "recipes/timm_imagenet/train.py",
-        "eval_sampler = ResumableDistributedSampler(len(val_images), dist_info.rank, dist_info.world_size,\n"
-        "                                               shuffle=False, drop_last=False)",
-        "eval_sampler = ResumableDistributedSampler(len(val_images), dist_info.rank, dist_info.world_size,\n"
-        "                                               shuffle=False, drop_last=True)",
+        "sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,\n"
+        "                                          drop_last=False)",
+        "sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,\n"
+        "                                          drop_last=True)",
         (f"tests/test_timm_imagenet.py::{CHAIN}[2-SIGUSR1]",),
         "top-1 on 2 ranks leaves out the last val image of an odd count",
     ),
     Mutation(
-        "evaluation-with-each-ranks-batchnorm", "recipes/cifar100_resnet50/train.py",
-        "    broadcast_buffers(model)  # every rank scores rank 0's model, the one checkpointed\n", "",
+        "evaluation-with-each-ranks-batchnorm", "common/evaluate.py",
+        "    broadcast_buffers(model)\n", "",
         (f"tests/test_cifar100_resnet50.py::{CHAIN}[2-SIGTERM]",),
         "2-rank EMA metrics after a resume differ from an uninterrupted run's",
     ),
     Mutation(
         "worker-exit-code-not-recorded", "common/entry.py",
-        "                record_exit_code(EXIT_PREEMPTED)\n", "",
+        "    record_exit_code(stop.exit_code)\n", "",
         (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1]",),
         "under torchrun a pre-empted run exits 1: SLURM scripts and the ISC see a crash",
     ),
     Mutation(
         "user-error-traceback", "common/entry.py",
-        "            except UserError as error:\n                fail(user_message(error))",
-        "            except UserError:\n                raise",
+        "            except RunStopped as stop:\n                stop_run(stop)",
+        "            except RunStopped:\n                raise",
         ("tests/test_fashion_mnist.py::test_user_errors_are_one_line_and_exit_2",),
         "a missing data folder ends with a traceback instead of one line",
     ),
