@@ -204,7 +204,7 @@ def fungitastic(workdir: Path) -> Pipeline:
         photo(400, 300, rng).save(path, quality=90)
         paths.append(str(path))
     cfg = compose_config("fungitastic", [f"data.root={workdir / 'fungi'}"])
-    labels = torch.zeros(len(paths), len(cfg.data.ranks), dtype=torch.int64)
+    labels = torch.zeros(len(paths), len(cfg.data.levels), dtype=torch.int64)
     dataset = TrainImages(paths, labels, train_augmentation(cfg.data), cfg.data.decode, cfg.data.draft_decode)
     model = timm.create_model(cfg.model.name, pretrained=False)
     size = cfg.data.image_size

@@ -51,7 +51,7 @@ from common.trained import LATEST, TrainedRun, checkpoint_weights, open_run, rea
 
 METADATA_FILE = "metadata.json"
 WEIGHTS_FILE = "model.safetensors"
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2  # 2: fungitastic names taxonomic levels "levels" (was "ranks")
 
 
 def rename(state: dict[str, Any], prefixes: list[tuple[str, str]], to_export: bool) -> dict[str, Any]:

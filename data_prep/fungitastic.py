@@ -9,9 +9,9 @@ image folders, as BohemianVRA's ``dataset/download.py`` writes them). Without ``
 ``--out`` itself must hold one. For each subset whose training CSV is present this writes, into
 ``OUT/prepared/<subset>/``:
 
-* ``taxonomic_mappings.json``: name -> index per rank (species keep their ``category_id``),
-  each species' parents, the class count per rank;
-* ``class_weights.pt``: per rank, scikit-learn's "balanced" weights from the training split;
+* ``taxonomic_mappings.json``: name -> index per level (species keep their ``category_id``),
+  each species' parents, the class count per level;
+* ``class_weights.pt``: per level, scikit-learn's "balanced" weights from the training split;
 * with ``--mini`` (or ``MINI=1`` in the environment): ``<CSV name>-Minimal.csv`` per split,
   the first ``--per-species`` rows of every species whose image is present.
 
@@ -72,10 +72,10 @@ def prepare_subset(root: Path, prepared: Path, subset: str, size: str, mini: boo
     write_bytes_atomic(folder / metadata.MAPPINGS_FILE, (json.dumps(mappings, indent=1) + "\n").encode())
     weights_file = folder / metadata.CLASS_WEIGHTS_FILE
     torch.save(metadata.class_weights(train, mappings), weights_file)
-    counts = ", ".join(f"{rank} {count}" for rank, count in mappings["num_classes"].items())
-    print(f"{metadata.subset_dir(subset)}: classes per rank: {counts}")
+    counts = ", ".join(f"{level} {count}" for level, count in mappings["num_classes"].items())
+    print(f"{metadata.subset_dir(subset)}: classes per level: {counts}")
     if mappings["parent_conflicts"]:
-        print(f"  note: {mappings['parent_conflicts']} species/rank pairs list more than one parent; "
+        print(f"  note: {mappings['parent_conflicts']} species/level pairs list more than one parent; "
               f"the most frequent is kept")
     problems = []
     for split in metadata.SPLIT_NAMES:

@@ -23,7 +23,7 @@ from tests.trained_runs import (
     timm_run,
 )
 
-FUNGI_RANKS = ("species", "genus", "family", "order", "class", "phylum")
+FUNGI_LEVELS = ("species", "genus", "family", "order", "class", "phylum")
 
 
 def make(*args: str) -> subprocess.CompletedProcess:
@@ -70,8 +70,8 @@ def test_fungitastic_reports_val_and_test_per_taxonomic_rank(tmp_path_factory: p
         metrics = evaluate_here("fungitastic", run, split=split)["metrics"]
         assert set(metrics) == {name for name in trained if name.startswith(f"{split}/")}
         assert metrics == {name: value for name, value in trained.items() if name.startswith(f"{split}/")}
-        for rank in FUNGI_RANKS:
-            assert {f"{split}/{rank}/top1", f"{split}/{rank}/top3", f"{split}/{rank}/f1"} <= set(metrics)
+        for level in FUNGI_LEVELS:
+            assert {f"{split}/{level}/top1", f"{split}/{level}/top3", f"{split}/{level}/f1"} <= set(metrics)
         assert (run / f"eval-{split}-latest.json").is_file()
 
 

@@ -87,19 +87,19 @@ def test_timm_export_holds_the_ema_and_loads_with_timm(tmp_path_factory: pytest.
     assert list(data["mean"]) == metadata["input"]["mean"] and list(data["input_size"]) == metadata["input"]["size"]
 
 
-def test_fungitastic_export_keeps_every_rank_head_and_timm_loads_the_species_classifier(
+def test_fungitastic_export_keeps_every_level_head_and_timm_loads_the_species_classifier(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
     run = fungi_run(tmp_path_factory)
     folder = export_run(open_run(run), tmp_path / "export")
     metadata = json.loads((folder / "metadata.json").read_text())
-    assert metadata["files"] == ["model.safetensors", "rank_heads.safetensors"]
+    assert metadata["files"] == ["level_heads.safetensors", "model.safetensors"]
     assert set(metadata["taxonomy"]["name_to_index"]) >= {"species", "genus", "phylum"}
     assert metadata["classes"][metadata["taxonomy"]["name_to_index"]["species"]["Amanita muscaria"]] == \
         "Amanita muscaria"
 
     cfg = open_run(run).cfg
-    reference = fungi_model(cfg.model, metadata["num_classes"], metadata["ranks"], cfg.data.image_size)
+    reference = fungi_model(cfg.model, metadata["num_classes"], metadata["levels"], cfg.data.image_size)
     reference.load_state_dict(checkpoint_state(run)["model"])
     images = torch.randn(2, *metadata["input"]["size"])
     expected = reference.eval()(images)

@@ -31,7 +31,7 @@ from tests.resume import CHAIN_SETTINGS, kill_signal_resume
 from tools.tiny_data import FUNGI_TAXA, write_fungitastic
 
 RECIPE = "fungitastic"
-RANKS = ["species", "genus", "family", "order", "class", "phylum"]
+LEVELS = ["species", "genus", "family", "order", "class", "phylum"]
 TINY = [
     "trainer.deterministic=true",  # the digest comparisons hold on a GPU too
     "model.name=test_vit",
@@ -81,7 +81,7 @@ def reference_run(fungi_data: Path,
 
 
 RESUME_SETTINGS = ["trainer.epochs=3", "model.derive_from_species=true",
-                   "loss.rank_weights.phylum=0.5", "seed=3"]
+                   "loss.level_weights.phylum=0.5", "seed=3"]
 
 
 # ------------------------------------------------------------------------------------ data prep
@@ -90,7 +90,7 @@ RESUME_SETTINGS = ["trainer.epochs=3", "model.derive_from_species=true",
 def test_prep_builds_mappings_class_weights_and_minimal_subsets(fungi_data: Path) -> None:
     prepared = fungi_data / "prepared" / "FungiTastic-Mini"
     mappings = json.loads((prepared / metadata.MAPPINGS_FILE).read_text())
-    assert mappings["ranks"] == RANKS
+    assert mappings["levels"] == LEVELS
     assert mappings["name_to_index"]["species"] == {taxon[1]: taxon[0] for taxon in FUNGI_TAXA}
     assert mappings["name_to_index"]["genus"] == {"Amanita": 0, "Russula": 1}
     assert mappings["name_to_index"]["order"] == {"Agaricales": 0, "Russulales": 1}
@@ -102,10 +102,10 @@ def test_prep_builds_mappings_class_weights_and_minimal_subsets(fungi_data: Path
 
     weights = torch.load(prepared / metadata.CLASS_WEIGHTS_FILE, weights_only=True)
     train = pd.read_csv(fungi_data / "metadata" / "FungiTastic-Mini" / "FungiTastic-Mini-Train.csv")
-    for rank in RANKS:
-        labels = train[rank].map(mappings["name_to_index"][rank]) if rank != "species" else train["category_id"]
-        expected = compute_class_weight("balanced", classes=np.arange(mappings["num_classes"][rank]), y=labels)
-        np.testing.assert_allclose(weights[rank].numpy(), expected, rtol=1e-6)
+    for level in LEVELS:
+        labels = train[level].map(mappings["name_to_index"][level]) if level != "species" else train["category_id"]
+        expected = compute_class_weight("balanced", classes=np.arange(mappings["num_classes"][level]), y=labels)
+        np.testing.assert_allclose(weights[level].numpy(), expected, rtol=1e-6)
 
     minimal = pd.read_csv(prepared / "FungiTastic-Mini-Train-Minimal.csv")
     assert minimal["category_id"].value_counts().to_dict() == {0: 2, 1: 2, 2: 2, 3: 2}
@@ -139,6 +139,12 @@ def test_prep_reports_a_missing_image_and_fails_unless_told_to_skip(tmp_path: Pa
     cfg.skip_missing = True
     split = split_files(cfg, "val", mappings)
     assert (split.skipped_missing, split.unknown_species, len(split.paths)) == (1, 1, 7)
+
+    mappings_file = tmp_path / "data" / "prepared" / "FungiTastic-Mini" / metadata.MAPPINGS_FILE
+    older = {("ranks" if key == "levels" else key): value for key, value in mappings.items()}
+    mappings_file.write_text(json.dumps(older))
+    with pytest.raises(UserError, match=r"written by an older `make prep-fungitastic` .*: rerun it"):
+        metadata.load_mappings(tmp_path / "data" / "prepared", "mini")
 
 
 def test_both_csv_name_forms_and_label_columns_are_read(tmp_path: Path) -> None:
@@ -179,8 +185,8 @@ def test_macro_f1_top1_and_top3_match_scikit_learn_and_ignore_unknown_labels() -
     logits = torch.randn(len(labels), classes, generator=torch.Generator().manual_seed(0))
     logits[:, 4] -= 100
     metrics = TaxonomyMetrics({"species": classes}, {}, torch.device("cpu"))
-    metrics.add_rank("species", logits[:6], labels[:6])  # two batches: counts add up exactly
-    metrics.add_rank("species", logits[6:], labels[6:])
+    metrics.add_level("species", logits[:6], labels[:6])  # two batches: counts add up exactly
+    metrics.add_level("species", logits[6:], labels[6:])
     result = metrics.compute("val")
 
     known = labels != -1
@@ -292,16 +298,16 @@ def test_end_to_end_reports_every_rank_on_val_and_test(reference_run: tuple[Path
     metrics = summary["metrics"]
     for split in ("val", "test"):
         assert metrics[f"{split}/samples"] == 8, "the unknown-species row is left out"
-        for rank in RANKS:  # a count of hits over the 8 samples; top-3 holds every top-1 hit
-            assert round(metrics[f"{split}/{rank}/top1"] * 8, 9).is_integer()
-            assert metrics[f"{split}/{rank}/top1"] <= metrics[f"{split}/{rank}/top3"]
-        for rank in ("class", "phylum"):  # one class: every prediction is right
-            assert metrics[f"{split}/{rank}/top1"] == metrics[f"{split}/{rank}/f1"] == 1.0
-        for rank in RANKS[1:]:
-            assert f"{split}/{rank}_from_species/f1" in metrics
-        # Consistent with the species in every rank means consistent in each: the joint rate is the lowest.
+        for level in LEVELS:  # a count of hits over the 8 samples; top-3 holds every top-1 hit
+            assert round(metrics[f"{split}/{level}/top1"] * 8, 9).is_integer()
+            assert metrics[f"{split}/{level}/top1"] <= metrics[f"{split}/{level}/top3"]
+        for level in ("class", "phylum"):  # one class: every prediction is right
+            assert metrics[f"{split}/{level}/top1"] == metrics[f"{split}/{level}/f1"] == 1.0
+        for level in LEVELS[1:]:
+            assert f"{split}/{level}_from_species/f1" in metrics
+        # Consistent with the species at every level means consistent in each: the joint rate is the lowest.
         joint = metrics[f"{split}/hierarchy_consistency"]
-        assert joint <= min(metrics[f"{split}/{rank}/consistent_with_species"] for rank in RANKS[1:])
+        assert joint <= min(metrics[f"{split}/{level}/consistent_with_species"] for level in LEVELS[1:])
         assert round(joint * 8, 9).is_integer()
     assert metrics["val/species/top1"] > 0.5, "each species has its own colour; training did not learn"
     assert summary["excluded_unknown_species"] == {"train": 0, "val": 1, "test": 1}
@@ -335,7 +341,7 @@ def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(
         kill_signal_resume(RECIPE, overrides(fungi_data, None, *RESUME_SETTINGS, "trainer.num_workers=1"), tmp_path,
                            1, stop_signal, reference=reference_run[0])
         return
-    settings = [*RESUME_SETTINGS, "data.skip_missing=true", "loss.class_weighted_ranks=[species,genus]"]
+    settings = [*RESUME_SETTINGS, "data.skip_missing=true", "loss.class_weighted_levels=[species,genus]"]
     summary = kill_signal_resume(RECIPE, overrides(fungi_data_one_val_image_missing, None, *settings), tmp_path, 2,
                                  stop_signal)
     assert summary["steps"] == 3 * TRAIN_ROWS // (4 * 2)
@@ -372,10 +378,10 @@ def test_each_rank_evaluates_its_own_images_and_together_every_image_once(fungi_
     assert sorted(first + second) == sorted(everything)
 
 
-def test_a_bad_rank_is_a_one_line_error_before_any_work(fungi_data: Path, tmp_path: Path) -> None:
-    result = run_recipe(RECIPE, [*overrides(fungi_data, tmp_path / "run"), "data.ranks=[species,kingdom]"])
+def test_a_bad_level_is_a_one_line_error_before_any_work(fungi_data: Path, tmp_path: Path) -> None:
+    result = run_recipe(RECIPE, [*overrides(fungi_data, tmp_path / "run"), "data.levels=[species,kingdom]"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: data.ranks names ['kingdom']; taxonomic_mappings.json has "
+        "error: data.levels names ['kingdom']; taxonomic_mappings.json has "
         "['species', 'genus', 'family', 'order', 'class', 'phylum']"]
     assert not (tmp_path / "run" / "checkpoints").exists()

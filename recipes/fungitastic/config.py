@@ -13,7 +13,7 @@ from enum import Enum
 
 from common.config import CheckpointConfig, Decode, LoggingConfig, Precision, RunConfig, TrainerConfig
 
-DEFAULT_RANKS = ["species", "genus", "family", "order", "class", "phylum"]
+DEFAULT_LEVELS = ["species", "genus", "family", "order", "class", "phylum"]
 
 
 class Subset(str, Enum):
@@ -28,7 +28,7 @@ class DataConfig:
     subset: Subset = Subset.mini
     size: str = "300p"  # which image folder to read: 300p, 500p, 720p or fullsize
     minimal: bool = False  # use the *-Minimal.csv subsets written by `MINI=1 make prep-fungitastic`
-    ranks: list[str] = field(default_factory=lambda: list(DEFAULT_RANKS))  # one head per rank
+    levels: list[str] = field(default_factory=lambda: list(DEFAULT_LEVELS))  # one head per level
     image_size: int = 224
     crop_scale_min: float = 0.8  # RandomResizedCrop scale (min, 1.0), as the published baseline
     randaugment_ops: int = 2  # RandAugment(2, 20): the FGVC "vit_heavy" baseline; 0 ops = off
@@ -48,13 +48,13 @@ class ModelConfig:
     pretrained: str = "data/weights/timm/beit_base_patch16_224.in22k_ft_in22k_in1k"
     drop_path_rate: float = 0.1
     head_dropout: float = 0.0
-    derive_from_species: bool = False  # also report higher ranks predicted by summing species probabilities
+    derive_from_species: bool = False  # also report higher levels predicted by summing species probabilities
 
 
 @dataclass
 class LossConfig:
-    rank_weights: dict[str, float] = field(default_factory=lambda: {rank: 1.0 for rank in DEFAULT_RANKS})
-    class_weighted_ranks: list[str] = field(default_factory=list)  # ranks whose loss uses class_weights.pt
+    level_weights: dict[str, float] = field(default_factory=lambda: {level: 1.0 for level in DEFAULT_LEVELS})
+    class_weighted_levels: list[str] = field(default_factory=list)  # levels whose loss uses class_weights.pt
 
 
 @dataclass

@@ -25,7 +25,7 @@ from recipes.fungitastic.config import DataConfig
 
 @dataclass
 class SplitFiles:
-    """One split's image paths and labels (``[N, len(ranks)]``, -1 where a rank is unknown)."""
+    """One split's image paths and labels (``[N, len(levels)]``, -1 where a level is unknown)."""
 
     name: str
     csv: Path
@@ -57,10 +57,10 @@ def split_files(cfg: DataConfig, split: str, mappings: dict) -> SplitFiles:
         frame = frame[~frame["filename"].astype(str).isin(set(missing))].reset_index(drop=True)
     if frame.empty:
         raise UserError(f"{csv} has no rows with a known species and an image in {folder}")
-    labels = metadata.encode_labels(frame, mappings, list(cfg.ranks))
+    labels = metadata.encode_labels(frame, mappings, list(cfg.levels))
     num_species = mappings["num_classes"]["species"]
-    if "species" in cfg.ranks:
-        species = labels[:, list(cfg.ranks).index("species")]
+    if "species" in cfg.levels:
+        species = labels[:, list(cfg.levels).index("species")]
         if species.max() >= num_species:
             raise UserError(f"{csv}: species label {int(species.max())} is outside the {num_species} species of "
                             f"the training split ({mappings['source']})")

@@ -1,5 +1,5 @@
 """FungiTastic metadata with pandas: where the CSVs and images are, the label space of every
-taxonomic rank, class weights, and the checks `make prep-fungitastic` and the recipe share.
+taxonomic level, class weights, and the checks `make prep-fungitastic` and the recipe share.
 
 Layout of a FungiTastic download (both file-name forms of the releases are accepted)::
 
@@ -8,7 +8,7 @@ Layout of a FungiTastic download (both file-name forms of the releases are accep
     {root}/{FungiTastic,FungiTastic-Mini}/{train,val,test}/{300p,500p,720p,fullsize}/{filename}
 
 The species label is the ``category_id`` (or ``class_id``) column; ``-1`` marks an unknown
-species (open-set rows). Every other rank is indexed by its name in ``taxonomic_mappings.json``,
+species (open-set rows). Every other level is indexed by its name in ``taxonomic_mappings.json``,
 built from the training CSV.
 """
 
@@ -28,7 +28,7 @@ from common.errors import UserError
 SUBSET_DIRS = {"full": "FungiTastic", "mini": "FungiTastic-Mini"}
 IMAGE_SIZES = ("300p", "500p", "720p", "fullsize")
 SPLIT_NAMES = {"train": "Train", "val": "Val", "test": "Test"}
-RANK_COLUMNS = ("species", "genus", "family", "order", "class", "phylum")
+LEVEL_COLUMNS = ("species", "genus", "family", "order", "class", "phylum")
 LABEL_COLUMNS = ("category_id", "class_id")
 UNKNOWN = -1
 MAPPINGS_FILE = "taxonomic_mappings.json"
@@ -113,14 +113,14 @@ def describe_missing(missing: list[str], listed: int, csv: Path, folder: Path) -
 # ---------------------------------------------------------------------------- label spaces
 
 
-def build_mappings(train: pd.DataFrame, source: str, ranks: tuple[str, ...] = RANK_COLUMNS) -> dict[str, Any]:
-    """Name -> index for every rank, and each species' parents, from the training metadata.
+def build_mappings(train: pd.DataFrame, source: str, levels: tuple[str, ...] = LEVEL_COLUMNS) -> dict[str, Any]:
+    """Name -> index for every level, and each species' parents, from the training metadata.
 
     Species keep their ``category_id`` as index (the label space of the published models);
-    the other ranks are numbered in sorted name order. A species listed under two parents of
-    one rank (a data error) keeps its most frequent parent; the count is recorded.
+    the other levels are numbered in sorted name order. A species listed under two parents of
+    one level (a data error) keeps its most frequent parent; the count is recorded.
     """
-    missing = [rank for rank in ranks if rank not in train.columns]
+    missing = [level for level in levels if level not in train.columns]
     if missing:
         raise UserError(f"{source} has no {', '.join(missing)} column")
     train, _ = known_species(train)
@@ -133,27 +133,27 @@ def build_mappings(train: pd.DataFrame, source: str, ranks: tuple[str, ...] = RA
         raise UserError(f"{source}: species {names} share the label {clash}")
     species_index = {str(name): int(label) for name, label in species_ids.sort_values().items()}
     name_to_index: dict[str, dict[str, int]] = {"species": species_index}
-    for rank in ranks:
-        if rank != "species":
-            names = sorted(str(name) for name in train[rank].dropna().unique())
-            name_to_index[rank] = {name: index for index, name in enumerate(names)}
+    for level in levels:
+        if level != "species":
+            names = sorted(str(name) for name in train[level].dropna().unique())
+            name_to_index[level] = {name: index for index, name in enumerate(names)}
     parents: dict[str, dict[str, str]] = {}
     conflicts = 0
     for species, rows in train.groupby("species"):
         parents[str(species)] = {}
-        for rank in ranks:
-            if rank == "species":
+        for level in levels:
+            if level == "species":
                 continue
-            values = rows[rank].dropna().astype(str)
+            values = rows[level].dropna().astype(str)
             if values.empty:
                 continue
             conflicts += int(values.nunique() > 1)
-            parents[str(species)][rank] = values.mode().iloc[0]
-    num_classes = {rank: len(name_to_index[rank]) for rank in ranks}
+            parents[str(species)][level] = values.mode().iloc[0]
+    num_classes = {level: len(name_to_index[level]) for level in levels}
     num_classes["species"] = int(species_ids.max()) + 1
     return {
         "source": source,
-        "ranks": list(ranks),
+        "levels": list(levels),
         "num_classes": num_classes,
         "name_to_index": name_to_index,
         "species_parents": parents,
@@ -167,57 +167,60 @@ def load_mappings(prepared_dir: str | Path, subset: str) -> dict[str, Any]:
         raise UserError(f"{path} not found: run `make prep-fungitastic` (it builds the label spaces from the "
                         f"training CSV) or set data.prepared_dir")
     try:
-        return json.loads(path.read_text())
+        mappings = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise UserError(f"{path} is not valid JSON ({error}): rerun `make prep-fungitastic`") from error
+    if "levels" not in mappings:
+        raise UserError(f"{path} was written by an older `make prep-fungitastic` (it has no \"levels\"): rerun it")
+    return mappings
 
 
-def encode_labels(frame: pd.DataFrame, mappings: dict[str, Any], ranks: list[str]) -> np.ndarray:
-    """``[N, len(ranks)]`` int64 class indices; a name the training split never had is -1 (ignored)."""
+def encode_labels(frame: pd.DataFrame, mappings: dict[str, Any], levels: list[str]) -> np.ndarray:
+    """``[N, len(levels)]`` int64 class indices; a name the training split never had is -1 (ignored)."""
     columns = []
-    for rank in ranks:
-        if rank == "species":
+    for level in levels:
+        if level == "species":
             columns.append(frame["label"].to_numpy(dtype=np.int64))
-        elif rank in frame.columns:
-            index = mappings["name_to_index"][rank]
-            columns.append(frame[rank].map(lambda name: index.get(str(name), UNKNOWN)).to_numpy(dtype=np.int64))
+        elif level in frame.columns:
+            index = mappings["name_to_index"][level]
+            columns.append(frame[level].map(lambda name: index.get(str(name), UNKNOWN)).to_numpy(dtype=np.int64))
         else:
             columns.append(np.full(len(frame), UNKNOWN, dtype=np.int64))
     return np.stack(columns, axis=1)
 
 
-def parent_table(mappings: dict[str, Any], rank: str) -> torch.Tensor:
-    """``[num_species]`` index of each species' parent at ``rank`` (-1 where unknown)."""
+def parent_table(mappings: dict[str, Any], level: str) -> torch.Tensor:
+    """``[num_species]`` index of each species' parent at ``level`` (-1 where unknown)."""
     table = torch.full((mappings["num_classes"]["species"],), UNKNOWN, dtype=torch.long)
-    rank_index = mappings["name_to_index"][rank]
+    level_index = mappings["name_to_index"][level]
     for species, index in mappings["name_to_index"]["species"].items():
-        parent = mappings["species_parents"].get(species, {}).get(rank)
-        if parent is not None and parent in rank_index:
-            table[index] = rank_index[parent]
+        parent = mappings["species_parents"].get(species, {}).get(level)
+        if parent is not None and parent in level_index:
+            table[index] = level_index[parent]
     return table
 
 
 def class_weights(train: pd.DataFrame, mappings: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Per rank, ``n_samples / (n_classes * count[c])`` (scikit-learn's "balanced"); a class with
+    """Per level, ``n_samples / (n_classes * count[c])`` (scikit-learn's "balanced"); a class with
     no training sample gets weight 0."""
     train, _ = known_species(train)
     weights = {}
-    for rank in mappings["ranks"]:
-        labels = encode_labels(train, mappings, [rank])[:, 0]
+    for level in mappings["levels"]:
+        labels = encode_labels(train, mappings, [level])[:, 0]
         labels = labels[labels != UNKNOWN]
-        classes = mappings["num_classes"][rank]
+        classes = mappings["num_classes"][level]
         counts = np.bincount(labels, minlength=classes).astype(np.float64)
         present = counts > 0
         weight = np.zeros(classes, dtype=np.float64)
         weight[present] = len(labels) / (present.sum() * counts[present])
-        weights[rank] = torch.from_numpy(weight).float()
+        weights[level] = torch.from_numpy(weight).float()
     return weights
 
 
 def load_class_weights(prepared_dir: str | Path, subset: str) -> dict[str, torch.Tensor]:
     path = Path(prepared_dir) / subset_dir(subset) / CLASS_WEIGHTS_FILE
     if not path.is_file():
-        raise UserError(f"{path} not found: run `make prep-fungitastic` or set loss.class_weighted_ranks=[]")
+        raise UserError(f"{path} not found: run `make prep-fungitastic` or set loss.class_weighted_levels=[]")
     return torch.load(path, weights_only=True)
 
 

@@ -1,4 +1,4 @@
-"""Per-rank top-1, top-3 and macro-F1, hierarchy consistency, reduced exactly across ranks.
+"""Per-level top-1, top-3 and macro-F1, hierarchy consistency, reduced exactly across ranks.
 
 Every figure is computed from integer counts kept on the device (per-class true positives,
 predictions and labels; correct top-k; consistent predictions), summed over ranks with one
@@ -40,14 +40,14 @@ class TaxonomyMetrics:
 
     def __init__(self, heads: dict[str, int], parents: dict[str, torch.Tensor], device: torch.device) -> None:
         self.heads = dict(heads)
-        self.parents = {rank: table.to(device) for rank, table in parents.items()}  # species -> parent per rank
+        self.parents = {level: table.to(device) for level, table in parents.items()}  # species -> parent per level
         self.device = device
         sizes = {"loss_sum": 1, "samples": 1}
         for name, classes in self.heads.items():
             sizes |= {f"{name}/count": 1, f"{name}/top1_hits": 1, f"{name}/top3_hits": 1,
                       f"{name}/tp": classes, f"{name}/predicted": classes, f"{name}/actual": classes}
         if self.parents:
-            sizes |= {"consistent": 1, "predictions": 1} | {f"{rank}/consistent": 1 for rank in self.parents}
+            sizes |= {"consistent": 1, "predictions": 1} | {f"{level}/consistent": 1 for level in self.parents}
         self.counts = {name: torch.zeros(size, dtype=torch.float64, device=device) for name, size in sizes.items()}
 
     def _add(self, name: str, value: torch.Tensor) -> None:
@@ -57,7 +57,7 @@ class TaxonomyMetrics:
         self._add("loss_sum", loss_sum.detach().reshape(1))
         self.counts["samples"] += count
 
-    def add_rank(self, name: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    def add_level(self, name: str, logits: torch.Tensor, labels: torch.Tensor) -> None:
         """Top-1/top-3 hits and per-class counts of one head; labels of -1 are not counted."""
         classes = self.heads[name]
         valid = labels != UNKNOWN
@@ -72,13 +72,13 @@ class TaxonomyMetrics:
         self._add(f"{name}/actual", class_counts(labels, valid, classes))
 
     def add_consistency(self, predictions: dict[str, torch.Tensor]) -> None:
-        """Whether each higher-rank prediction is the parent of the predicted species."""
+        """Whether each higher-level prediction is the parent of the predicted species."""
         species = predictions["species"]
         consistent_all = torch.ones_like(species, dtype=torch.bool)
-        for rank, table in self.parents.items():
-            consistent = predictions[rank] == table[species]
+        for level, table in self.parents.items():
+            consistent = predictions[level] == table[species]
             consistent_all &= consistent
-            self._add(f"{rank}/consistent", consistent.sum().reshape(1))
+            self._add(f"{level}/consistent", consistent.sum().reshape(1))
         self._add("consistent", consistent_all.sum().reshape(1))
         self.counts["predictions"] += len(species)
 
@@ -93,7 +93,7 @@ class TaxonomyMetrics:
 
     def compute(self, prefix: str) -> dict[str, float]:
         """``{prefix}/loss``, ``{prefix}/samples``, ``{prefix}/{head}/top1``, ``top3``, ``f1`` and, with
-        parents, ``{prefix}/hierarchy_consistency`` and ``{prefix}/{rank}/consistent_with_species``;
+        parents, ``{prefix}/hierarchy_consistency`` and ``{prefix}/{level}/consistent_with_species``;
         NaN where nothing was counted."""
         totals = self.reduce()
 
@@ -109,13 +109,13 @@ class TaxonomyMetrics:
                                                   totals[f"{name}/actual"])
         if self.parents:
             out[f"{prefix}/hierarchy_consistency"] = share("consistent", "predictions")
-            for rank in self.parents:
-                out[f"{prefix}/{rank}/consistent_with_species"] = share(f"{rank}/consistent", "predictions")
+            for level in self.parents:
+                out[f"{prefix}/{level}/consistent_with_species"] = share(f"{level}/consistent", "predictions")
         return out
 
 
 def species_marginals(species_logits: torch.Tensor, parent: torch.Tensor, classes: int) -> torch.Tensor:
-    """Log-probabilities of a higher rank obtained by summing the species probabilities of each
+    """Log-probabilities of a higher level obtained by summing the species probabilities of each
     parent (species without a known parent are left out)."""
     probabilities = species_logits.float().softmax(dim=1)
     known = parent != UNKNOWN

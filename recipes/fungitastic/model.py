@@ -1,4 +1,4 @@
-"""One timm backbone with a linear head per taxonomic rank (species, genus, ... phylum).
+"""One timm backbone with a linear head per taxonomic level (species, genus, ... phylum).
 
 Pretrained weights come from a local copy (the folder ``make prep-fungitastic`` writes under
 ``data/weights/``, or a state-dict file), or from a hub name given explicitly, such as
@@ -26,19 +26,19 @@ HUB_PREFIX = "hf-hub:"
 
 
 class TaxonomyClassifier(nn.Module):
-    """``forward(x)`` returns ``{rank: logits}``, one entry per configured rank."""
+    """``forward(x)`` returns ``{level: logits}``, one entry per configured level."""
 
-    def __init__(self, backbone: nn.Module, num_classes: dict[str, int], ranks: list[str], dropout: float) -> None:
+    def __init__(self, backbone: nn.Module, num_classes: dict[str, int], levels: list[str], dropout: float) -> None:
         super().__init__()
         self.backbone = backbone
-        self.ranks = list(ranks)
+        self.levels = list(levels)
         self.dropout = nn.Dropout(dropout)
-        self.heads = nn.ModuleDict({rank: nn.Linear(backbone.num_features, num_classes[rank]) for rank in ranks})
+        self.heads = nn.ModuleDict({level: nn.Linear(backbone.num_features, num_classes[level]) for level in levels})
         self.pretrained_parts = ""  # what build_model loaded from pretrained weights
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         features = self.dropout(self.backbone(images))
-        return {rank: head(features) for rank, head in self.heads.items()}
+        return {level: head(features) for level, head in self.heads.items()}
 
 
 def size_kwargs(name: str, image_size: int) -> dict[str, int]:
@@ -128,14 +128,14 @@ def load_pretrained(model: TaxonomyClassifier, source: str) -> str:
     return "backbone"
 
 
-def build_model(cfg: ModelConfig, num_classes: dict[str, int], ranks: list[str], image_size: int,
+def build_model(cfg: ModelConfig, num_classes: dict[str, int], levels: list[str], image_size: int,
                 pretrained: bool = True) -> TaxonomyClassifier:
     """The classifier, with the weights of ``cfg.pretrained`` when ``pretrained`` (what was loaded is
     in its ``pretrained_parts``; a checkpoint or an export brings the weights otherwise)."""
-    unknown = [rank for rank in ranks if rank not in num_classes]
+    unknown = [level for level in levels if level not in num_classes]
     if unknown:
-        raise UserError(f"data.ranks has {unknown}; taxonomic_mappings.json has {sorted(num_classes)}")
-    model = TaxonomyClassifier(create_backbone(cfg, image_size), num_classes, ranks, cfg.head_dropout)
+        raise UserError(f"data.levels has {unknown}; taxonomic_mappings.json has {sorted(num_classes)}")
+    model = TaxonomyClassifier(create_backbone(cfg, image_size), num_classes, levels, cfg.head_dropout)
     if pretrained and cfg.pretrained:
         model.pretrained_parts = load_pretrained(model, cfg.pretrained)
     return model

@@ -1,5 +1,5 @@
 """FungiTastic with a multi-task timm backbone (BEiT-B/16 by default): one head per taxonomic
-rank, readable top to bottom.
+level, readable top to bottom.
 
     python -m recipes.fungitastic.train [hydra overrides]
     torchrun --nproc-per-node 8 -m recipes.fungitastic.train [hydra overrides]
@@ -41,65 +41,65 @@ SPLITS = ("val", "test")  # training evaluates on val each epoch, and on both at
 
 
 class MultiTaskLoss:
-    """Sum over ranks of ``weight[rank] * cross-entropy`` (a rank without a weight weighs 1);
+    """Sum over levels of ``weight[level] * cross-entropy`` (a level without a weight weighs 1);
     labels of -1 are ignored."""
 
-    def __init__(self, ranks: list[str], rank_weights: dict[str, float], class_weights: dict[str, torch.Tensor],
+    def __init__(self, levels: list[str], level_weights: dict[str, float], class_weights: dict[str, torch.Tensor],
                  label_smoothing: float) -> None:
-        self.ranks = ranks
-        self.rank_weights = {rank: float(rank_weights.get(rank, 1.0)) for rank in ranks}
+        self.levels = levels
+        self.level_weights = {level: float(level_weights.get(level, 1.0)) for level in levels}
         self.class_weights = class_weights
         self.label_smoothing = label_smoothing
 
     def __call__(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor, training: bool = True) -> torch.Tensor:
-        """Training: the weighted sum of per-rank means (class weights, smoothing). Evaluation:
+        """Training: the weighted sum of per-level means (class weights, smoothing). Evaluation:
         the plain per-sample sum, so that a split's loss is exact however it is batched."""
         total = torch.zeros((), device=labels.device)
-        for column, rank in enumerate(self.ranks):
+        for column, level in enumerate(self.levels):
             target = labels[:, column]
             if training:
-                loss = F.cross_entropy(outputs[rank].float(), target, weight=self.class_weights.get(rank),
+                loss = F.cross_entropy(outputs[level].float(), target, weight=self.class_weights.get(level),
                                        ignore_index=metadata.UNKNOWN, label_smoothing=self.label_smoothing)
-                loss = torch.nan_to_num(loss)  # a micro-batch with no label at this rank adds nothing
+                loss = torch.nan_to_num(loss)  # a micro-batch with no label at this level adds nothing
             else:
-                loss = F.cross_entropy(outputs[rank].float(), target, ignore_index=metadata.UNKNOWN, reduction="sum")
-            total = total + self.rank_weights[rank] * loss
+                loss = F.cross_entropy(outputs[level].float(), target, ignore_index=metadata.UNKNOWN, reduction="sum")
+            total = total + self.level_weights[level] * loss
         return total
 
 
 def class_counts(cfg: FungiTasticConfig, mappings: dict) -> dict[str, int]:
-    """Each configured rank's number of classes, from the label spaces `make prep-fungitastic` wrote."""
-    unknown = [rank for rank in cfg.data.ranks if rank not in mappings["num_classes"]]
+    """Each configured level's number of classes, from the label spaces `make prep-fungitastic` wrote."""
+    unknown = [level for level in cfg.data.levels if level not in mappings["num_classes"]]
     if unknown:
-        raise UserError(f"data.ranks names {unknown}; taxonomic_mappings.json has {mappings['ranks']}")
-    return {rank: mappings["num_classes"][rank] for rank in cfg.data.ranks}
+        raise UserError(f"data.levels names {unknown}; taxonomic_mappings.json has {mappings['levels']}")
+    return {level: mappings["num_classes"][level] for level in cfg.data.levels}
 
 
 def model_as_trained(cfg: FungiTasticConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
-    """The model as training holds it, before DDP and compile: one head per rank, on the device."""
+    """The model as training holds it, before DDP and compile: one head per level, on the device."""
     num_classes = class_counts(cfg, metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset))
-    model = build_model(cfg.model, num_classes, list(cfg.data.ranks), cfg.data.image_size, pretrained)
+    model = build_model(cfg.model, num_classes, list(cfg.data.levels), cfg.data.image_size, pretrained)
     return on_device(model, dist_info.device, cfg.trainer.channels_last)
 
 
 class SplitEvaluation:
     """The evaluation of one split (the recipe's evaluator): top-1, top-3 and macro-F1
-    per rank and hierarchy consistency (metrics named ``<split>/...``), each image counted once
+    per level and hierarchy consistency (metrics named ``<split>/...``), each image counted once
     across ranks; whole images resized to the model's input in DataLoader workers, normalised on
     the device as training normalises them. ``files`` says which rows the split holds."""
 
     def __init__(self, cfg: FungiTasticConfig, dist_info: DistInfo, split: str) -> None:
         self.cfg, self.dist_info, self.split = cfg, dist_info, split
-        self.ranks = list(cfg.data.ranks)
+        self.levels = list(cfg.data.levels)
         mappings = metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset)
         self.num_classes = class_counts(cfg, mappings)
         self.files = split_files(cfg.data, split, mappings)
-        self.parents = ({rank: metadata.parent_table(mappings, rank) for rank in self.ranks if rank != "species"}
-                        if "species" in self.ranks else {})
+        self.parents = ({level: metadata.parent_table(mappings, level) for level in self.levels if level != "species"}
+                        if "species" in self.levels else {})
         self.heads = dict(self.num_classes)
         if self.parents and cfg.model.derive_from_species:
-            self.heads |= {f"{rank}_from_species": self.num_classes[rank] for rank in self.parents}
-        self.criterion = MultiTaskLoss(self.ranks, dict(cfg.loss.rank_weights), {}, cfg.optim.label_smoothing)
+            self.heads |= {f"{level}_from_species": self.num_classes[level] for level in self.parents}
+        self.criterion = MultiTaskLoss(self.levels, dict(cfg.loss.level_weights), {}, cfg.optim.label_smoothing)
         sampler = ResumableDistributedSampler(len(self.files.paths), dist_info.rank, dist_info.world_size,
                                               shuffle=False, drop_last=False)
         images = ResizedImages(self.files.paths, torch.from_numpy(self.files.labels), cfg.data.image_size,
@@ -110,7 +110,7 @@ class SplitEvaluation:
         self.normalize = Normalize(*input_normalization(cfg.model, cfg.data.image_size), dist_info.device)
 
     def __call__(self, model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
-        cfg, device, ranks = self.cfg, self.dist_info.device, self.ranks
+        cfg, device, levels = self.cfg, self.dist_info.device, self.levels
         metrics = TaxonomyMetrics(self.heads, self.parents, device)
         with evaluating(model):
             for batch, labels in self.loader:
@@ -120,16 +120,16 @@ class SplitEvaluation:
                 labels = labels.to(device, non_blocking=True)
                 with autocast(device, cfg.trainer.precision):
                     outputs = model(x)
-                outputs = {rank: logits.float() for rank, logits in outputs.items()}
+                outputs = {level: logits.float() for level, logits in outputs.items()}
                 metrics.add_loss(self.criterion(outputs, labels, training=False), len(labels))
-                for column, rank in enumerate(ranks):
-                    metrics.add_rank(rank, outputs[rank], labels[:, column])
+                for column, level in enumerate(levels):
+                    metrics.add_level(level, outputs[level], labels[:, column])
                 if self.parents:
-                    metrics.add_consistency({rank: logits.argmax(1) for rank, logits in outputs.items()})
+                    metrics.add_consistency({level: logits.argmax(1) for level, logits in outputs.items()})
                     if cfg.model.derive_from_species:
-                        for rank, table in self.parents.items():
-                            derived = species_marginals(outputs["species"], table, self.num_classes[rank])
-                            metrics.add_rank(f"{rank}_from_species", derived, labels[:, ranks.index(rank)])
+                        for level, table in self.parents.items():
+                            derived = species_marginals(outputs["species"], table, self.num_classes[level])
+                            metrics.add_level(f"{level}_from_species", derived, labels[:, levels.index(level)])
         return metrics.compute(f"{self.split}_ema" if of_ema else self.split)
 
 
@@ -142,13 +142,13 @@ def main(cfg: FungiTasticConfig) -> None:
 def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     device = dist_info.device
     seed_everything(cfg.seed)
-    ranks = list(cfg.data.ranks)
-    if not ranks or len(set(ranks)) != len(ranks):
-        raise UserError(f"data.ranks must name each rank once, got {ranks}")
-    unknown_weights = sorted(set(cfg.loss.rank_weights) - set(ranks) - set(metadata.RANK_COLUMNS))
+    levels = list(cfg.data.levels)
+    if not levels or len(set(levels)) != len(levels):
+        raise UserError(f"data.levels must name each level once, got {levels}")
+    unknown_weights = sorted(set(cfg.loss.level_weights) - set(levels) - set(metadata.LEVEL_COLUMNS))
     if unknown_weights:
-        raise UserError(f"loss.rank_weights names {unknown_weights}, which are neither in data.ranks {ranks} nor "
-                        f"taxonomic ranks")
+        raise UserError(f"loss.level_weights names {unknown_weights}, which are neither in data.levels {levels} nor "
+                        f"taxonomic levels")
 
     # ---- data: label spaces and every split's CSV and images, checked before anything else -----
     mappings = metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset)
@@ -157,14 +157,14 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     evaluators = {split: SplitEvaluation(cfg, dist_info, split) for split in SPLITS
                   if split != "test" or cfg.data.test_split}
     class_weights: dict[str, torch.Tensor] = {}
-    if cfg.loss.class_weighted_ranks:
+    if cfg.loss.class_weighted_levels:
         stored = metadata.load_class_weights(cfg.data.prepared_dir, cfg.data.subset)
-        for rank in cfg.loss.class_weighted_ranks:
-            if rank not in ranks or rank not in stored or len(stored[rank]) != num_classes.get(rank):
-                raise UserError(f"loss.class_weighted_ranks: no class weights of {rank!r} that fit data.ranks "
-                                f"{ranks}; rerun `make prep-fungitastic`")
-            class_weights[rank] = stored[rank].to(device)
-    criterion = MultiTaskLoss(ranks, dict(cfg.loss.rank_weights), class_weights, cfg.optim.label_smoothing)
+        for level in cfg.loss.class_weighted_levels:
+            if level not in levels or level not in stored or len(stored[level]) != num_classes.get(level):
+                raise UserError(f"loss.class_weighted_levels: no class weights of {level!r} that fit data.levels "
+                                f"{levels}; rerun `make prep-fungitastic`")
+            class_weights[level] = stored[level].to(device)
+    criterion = MultiTaskLoss(levels, dict(cfg.loss.level_weights), class_weights, cfg.optim.label_smoothing)
 
     # ---- model ---------------------------------------------------------------------------------
     model = model_as_trained(cfg, dist_info)
@@ -210,16 +210,16 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     if model.pretrained_parts:
         run.console(f"pretrained {model.pretrained_parts} from {cfg.model.pretrained}")
     run.console(
-        f"fungitastic: {cfg.model.name} with heads {', '.join(f'{r} ({num_classes[r]})' for r in ranks)} on "
+        f"fungitastic: {cfg.model.name} with heads {', '.join(f'{r} ({num_classes[r]})' for r in levels)} on "
         f"{dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, lr {lr:g}, {plan.total} steps; images "
         f"decoded on {cfg.data.decode.value} by {train_loader.num_workers} loader workers per rank"
     )
 
     def run_eval(split: str) -> dict[str, float]:
         metrics = evaluators[split](forward)
-        headline = [f"{split}/{rank}/{m}" for rank in ranks[:1] for m in ("top1", "top3", "f1")]
-        return run.log_eval(metrics, headline=headline + ([f"{split}/hierarchy_consistency"] if len(ranks) > 1
-                                                          and "species" in ranks else []))
+        headline = [f"{split}/{level}/{m}" for level in levels[:1] for m in ("top1", "top3", "f1")]
+        return run.log_eval(metrics, headline=headline + ([f"{split}/hierarchy_consistency"] if len(levels) > 1
+                                                          and "species" in levels else []))
 
     def final_eval() -> dict[str, float]:
         """Validation and, when the test split has labels, test metrics."""
@@ -239,10 +239,10 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
                         outputs = forward(x)
                         loss = criterion(outputs, labels)
                     scaler.scale(loss * (len(labels) / group.samples)).backward()
-                hits = {f"top1_{rank}": (outputs[rank].argmax(1) == labels[:, column]).sum()
-                        for column, rank in enumerate(ranks)}
-                known = {f"count_{rank}": (labels[:, column] != metadata.UNKNOWN).sum()
-                         for column, rank in enumerate(ranks)}
+                hits = {f"top1_{level}": (outputs[level].argmax(1) == labels[:, column]).sum()
+                        for column, level in enumerate(levels)}
+                known = {f"count_{level}": (labels[:, column] != metadata.UNKNOWN).sum()
+                         for column, level in enumerate(levels)}
                 train_sums.add(loss=loss.detach() * len(labels), count=len(labels), **hits, **known)
             grad_norm = None
             if cfg.trainer.grad_clip_norm:
@@ -258,7 +258,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
                 sums = train_sums.reduce()
                 train_sums.reset()
                 metrics = {"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0]}
-                metrics |= {f"train/{rank}/top1": ratio(sums, f"top1_{rank}", f"count_{rank}") for rank in ranks}
+                metrics |= {f"train/{level}/top1": ratio(sums, f"top1_{level}", f"count_{level}") for level in levels}
                 run.log_train(metrics)
         run.end_epoch(lambda: run_eval("val"))  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 
