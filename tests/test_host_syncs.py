@@ -66,7 +66,7 @@ def test_fungitastic_metrics_per_batch_do_not_sync() -> None:
 
     def one_batch() -> None:
         metrics.add_loss(torch.tensor(1.5), 5)
-        metrics.add_rank("species", logits, labels)
+        metrics.add_level("species", logits, labels)
         metrics.add_consistency({"species": logits.argmax(1), "genus": torch.tensor([0, 1, 0, 1, 0])})
         species_marginals(logits, parents["genus"], 2)
 
