@@ -9,11 +9,15 @@ at each epoch. Workers rewrite it after every trial they finish; ``REPORT=1`` re
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
+from optuna.trial import TrialState
+
 from common.jsonfiles import write_json
+from common.run_lock import LOCK_FILE, Holder
 from tools.search.study import Search
 
 STUDY_FILE = "study.json"
@@ -65,6 +69,16 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def running_note(search: Search, number: int) -> str:
+    """Who holds a running trial's claim, or that none does: an interrupted trial, which the next
+    worker to start resumes."""
+    try:
+        holder = Holder(**json.loads((search.claim_folder(f"trial_{number}") / LOCK_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return "interrupted: the next worker resumes it"
+    return f"held by {holder.describe()}"
+
+
 def table(search: Search) -> str:
     """Every trial in a row: state, objective, parameters, run directory, and what happened."""
     best = best_record(search)
@@ -76,6 +90,8 @@ def table(search: Search) -> str:
         note = attrs.get("reason", "")
         if "pruned_at_step" in attrs:
             note = f"pruned after epoch {attrs['pruned_at_epoch']} (step {attrs['pruned_at_step']})"
+        if trial.state == TrialState.RUNNING:
+            note = running_note(search, trial.number)
         if best is not None and trial.number == best["trial"]:
             note = "best"
         rows.append([str(trial.number), trial.state.name.lower(), _cell(trial.value),
@@ -95,7 +111,6 @@ def write_plots(search: Search) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from optuna.trial import TrialState
     from optuna.visualization.matplotlib import plot_optimization_history, plot_param_importances
 
     complete = [trial for trial in search.trials() if trial.state == TrialState.COMPLETE]

@@ -23,6 +23,7 @@ from common.search_trial import SearchTrial, make_pruner, open_storage
 from tools.search.space import DIRECTIONS, Param, Space
 
 JOURNAL = "journal.log"
+CLAIMS = "claims"
 SETTINGS_ATTR = "search"  # the study's user attribute that records the settings
 
 
@@ -107,6 +108,10 @@ class Search:
     def run_dir(self, number: int) -> Path:
         """Trial ``number``'s run directory: an ordinary run directory of the recipe."""
         return self.study_dir / f"trial_{number}"
+
+    def claim_folder(self, name: str) -> Path:
+        """The folder of one claim lock (``tools/search/worker.py``): ``trial_<n>``, or ``queue``."""
+        return self.study_dir / CLAIMS / name
 
     def trial_id(self, number: int) -> int:
         storage = self.optuna_storage

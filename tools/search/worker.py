@@ -64,7 +64,6 @@ from common.summary import SUMMARY_FILE
 from tools.search.results import write_study_json
 from tools.search.study import Search
 
-CLAIMS = "claims"
 QUEUE = "queue"
 TRIAL_RECORD = "trial.json"  # in a trial's run directory: which trial of which study it is
 STDERR_KEPT = 8192  # bytes of a run's stderr kept for the reason a failed trial gives
@@ -113,7 +112,6 @@ class Worker:
         self.search = search
         self.target = target
         self.nproc = nproc
-        self.claims = search.study_dir / CLAIMS
         self.child: subprocess.Popen | None = None
         self.stop_signal: str | None = None
         self.elsewhere: set[int] = set()  # trials whose run directory another launch holds
@@ -147,7 +145,7 @@ class Worker:
     @contextlib.contextmanager
     def _queue(self) -> Iterator[None]:
         """The study-wide lock under which claims are taken and trials asked for (held briefly)."""
-        lock = RunLock(self.claims / QUEUE, log=say)
+        lock = RunLock(self.search.claim_folder(QUEUE), log=say)
         while True:
             try:
                 lock.acquire()
@@ -161,7 +159,7 @@ class Worker:
 
     def _claim(self, number: int) -> RunLock | None:
         """Trial ``number``'s claim, if no live worker holds it (a gone holder's is taken over)."""
-        lock = RunLock(self.claims / f"trial_{number}", log=say)
+        lock = RunLock(self.search.claim_folder(f"trial_{number}"), log=say)
         try:
             lock.acquire()
         except RunLockHeld:
