@@ -8,9 +8,10 @@ from pathlib import Path
 
 from common.entry import fail
 from common.errors import UserError
+from tools.search.isc import restore_journal
 from tools.search.results import table, write_plots, write_study_json
-from tools.search.space import check_against_recipe, load_space, space_file
-from tools.search.study import Search, Settings, open_search, start_search
+from tools.search.space import check_against_recipe, load_space, override_key, space_file
+from tools.search.study import JOURNAL, Search, Settings, open_search, start_search
 from tools.search.worker import Worker, say
 
 
@@ -32,6 +33,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--study", help="the study folder (default: runs/<recipe>/search)")
     parser.add_argument("--storage", help="a database URL for the study instead of its journal file")
     parser.add_argument("--nproc", type=positive, default=1, help="processes per trial (torchrun)")
+    parser.add_argument("--checkpoint-artifacts", help="the ISC's $CHECKPOINT_ARTIFACT_PATH: the running trial "
+                        "checkpoints there and the journal is kept there (one worker per experiment)")
     parser.add_argument("--report", action="store_true", help="print the table, write study.json and the plots")
     args = parser.parse_args(options)
     args.overrides = overrides
@@ -58,8 +61,18 @@ def main(argv: list[str] | None = None) -> int:
         space = load_space(space_file(args.space, args.recipe))
         objective = check_against_recipe(space, args.recipe, args.overrides)
         settings = Settings.from_space(args.recipe, args.overrides, space, objective)
+        artifacts = None
+        if args.checkpoint_artifacts:
+            artifacts = Path(args.checkpoint_artifacts).resolve()
+            if not artifacts.is_dir() or args.storage:
+                raise UserError(f"--checkpoint-artifacts {artifacts}: must be a folder (the ISC's "
+                                f"$CHECKPOINT_ARTIFACT_PATH), and the study's storage its journal (no --storage)")
+            if any(override_key(override) == "checkpoint.keep_best" for override in args.overrides):
+                raise UserError("--checkpoint-artifacts: trials keep no best checkpoint there (checkpoint.keep_best "
+                                "is false; see cluster/README.md), so the overrides cannot set it")
+            restore_journal(study_dir / JOURNAL, artifacts, say)
         search = start_search(study_dir, args.storage, settings, say)
-        code = Worker(search, args.trials, args.nproc).run()
+        code = Worker(search, args.trials, args.nproc, artifacts).run()
         report(search)
         return code
     except UserError as error:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ def storage_spec(study_dir: Path, storage: str | None) -> str:
     return storage or str(study_dir / JOURNAL)
 
 
-def repair_journal(path: Path, say: Any) -> None:
+def repair_journal(path: Path, say: Callable[[str], None]) -> None:
     """Cut an incomplete last line from the journal before anything appends to it. A copy taken in
     the middle of a write (the ISC's Lossy sync) or a node that crashed can leave one; Optuna would
     join it to the next entry and could no longer read the journal."""
@@ -132,7 +133,7 @@ def _quiet_optuna() -> None:
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
-def start_search(study_dir: Path, storage: str | None, settings: Settings, say: Any) -> Search:
+def start_search(study_dir: Path, storage: str | None, settings: Settings, say: Callable[[str], None]) -> Search:
     """Create the study, or join it when another worker did; settings that differ from those it
     recorded are a one-line error."""
     import optuna

@@ -56,11 +56,12 @@ from typing import Any
 
 from optuna.trial import TrialState
 
-from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR
+from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 from common.jsonfiles import dumps, write_json
 from common.run import STOP_SIGNALS
 from common.run_lock import LOCK_FILE, RunLock, RunLockHeld
 from common.summary import SUMMARY_FILE
+from tools.search.isc import belongs_to, clear_for, move_checkpoints, save_journal
 from tools.search.results import write_study_json
 from tools.search.study import Search
 
@@ -92,8 +93,16 @@ def trial_command(recipe: str, overrides: list[str], nproc: int) -> list[str]:
 
 
 def quoted(path: Path) -> str:
-    """``path`` as a quoted Hydra override value (a comma or a space in it would break the override)."""
-    return "'" + str(path).replace("\\", "\\\\").replace("'", "\\'") + "'"
+    """``path`` as a quoted Hydra override value (a comma or a space in it would break the override;
+    :class:`Worker` refuses paths with a quote or a backslash)."""
+    return f"'{path}'"
+
+
+def free_name(path: Path) -> Path:
+    """``<path>.replaced-<i>``, the first such name not taken: where a folder that is not this
+    trial's is moved aside."""
+    return next(path.with_name(f"{path.name}.replaced-{index}") for index in range(1, 1_000_000)
+                if not path.with_name(f"{path.name}.replaced-{index}").exists())
 
 
 def last_error_line(stderr: str, code: int) -> str:
@@ -106,12 +115,19 @@ def last_error_line(stderr: str, code: int) -> str:
 
 
 class Worker:
-    """One worker of a search (see the module): :meth:`run` until the study has ``target`` finished trials."""
+    """One worker of a search (see the module): :meth:`run` until the study has ``target`` finished
+    trials. ``artifacts``: the ISC's CHECKPOINT_ARTIFACT_PATH, where the running trial checkpoints
+    and the journal is kept (``tools/search/isc.py``)."""
 
-    def __init__(self, search: Search, target: int, nproc: int) -> None:
+    def __init__(self, search: Search, target: int, nproc: int, artifacts: Path | None = None) -> None:
         self.search = search
         self.target = target
         self.nproc = nproc
+        self.artifacts = artifacts
+        for folder in (search.study_dir, artifacts):
+            if folder is not None and ("'" in str(folder) or "\\" in str(folder)):
+                raise UserError(f"{folder}: a folder whose path holds a quote or a backslash cannot be passed to a "
+                                f"trial as a Hydra override; choose another")
         self.child: subprocess.Popen | None = None
         self.stop_signal: str | None = None
         self.elsewhere: set[int] = set()  # trials whose run directory another launch holds
@@ -190,6 +206,7 @@ class Worker:
             lock = self._claim(trial.number)
             if lock is None:
                 raise RuntimeError(f"the claim of trial {trial.number}, just asked for, is held by another worker")
+            self._keep_journal()
             return Claim(trial.number, dict(trial.params), lock, interrupted=False)
 
     # ---- one trial ----------------------------------------------------------------------------
@@ -198,6 +215,11 @@ class Worker:
         """Train the trial (or resume it) and record how it ended, unless it was stopped."""
         number, run_dir = claim.number, self.search.run_dir(claim.number)
         self._check_run_dir(claim, run_dir)
+        if self.artifacts is not None:
+            self._clear_artifacts(claim, run_dir)
+        if self.stop_signal is not None:
+            say(f"trial {number}: not started, stopped by {self.stop_signal} first; the next worker starts it")
+            return
         params = ", ".join(f"{key}={value!r}" for key, value in claim.params.items())
         say(f"trial {number}: {'resuming' if claim.interrupted else 'starting'} in {run_dir} ({params})")
         code, stderr = self._train(claim, run_dir)
@@ -207,7 +229,8 @@ class Worker:
             self.stop_signal = self.stop_signal or "a stop signal sent to the trial's run"
             say(f"trial {number}: stopped after its checkpoint (exit {code}); it stays in the study, to be resumed "
                 f"by the next worker")
-        elif code == EXIT_USER_ERROR and (run_dir / LOCK_FILE).exists():
+        elif code == EXIT_USER_ERROR and any((folder / LOCK_FILE).exists()
+                                             for folder in (run_dir, self._checkpoints(run_dir))):
             self.elsewhere.add(number)
             say(f"trial {number}: its run directory is in use by another launch; leaving the trial to it")
         else:
@@ -225,20 +248,50 @@ class Worker:
                 found = None
             if found == record:
                 return
-            aside = next(run_dir.with_name(f"{run_dir.name}.replaced-{index}") for index in range(1, 10_000)
-                         if not run_dir.with_name(f"{run_dir.name}.replaced-{index}").exists())
+            aside = free_name(run_dir)
             run_dir.rename(aside)
             say(f"trial {claim.number}: {run_dir} held another run (its {TRIAL_RECORD} does not name this trial "
                 f"and its parameters); moved it to {aside}")
         write_json(path, record)
+
+    def _clear_artifacts(self, claim: Claim, run_dir: Path) -> None:
+        """Move checkpoints of other trials out of the artifact path before this trial trains there
+        (``tools/search/isc.py``): into the run directory of a trial the study recorded as ended,
+        else aside."""
+        ended = {self.search.run_dir(trial.number).name: trial for trial in self.search.trials()
+                 if trial.state.is_finished()}
+        asides: dict[str, Path] = {}
+
+        def destination_of(config: dict[str, Any] | None) -> Path:
+            owner = Path(str(config.get("run_dir"))).name if isinstance(config, dict) else "unknown"
+            trial = ended.get(owner)
+            if trial is not None and belongs_to(config, self.search.run_dir(trial.number), trial.params):
+                return self.search.run_dir(trial.number) / "checkpoints"
+            if owner not in asides:
+                asides[owner] = free_name(self.search.study_dir / owner) / "checkpoints"
+            return asides[owner]
+
+        for line in clear_for(self.artifacts, run_dir, claim.params, destination_of):
+            say(f"trial {claim.number}: moved {line}")
+
+    def _keep_journal(self) -> None:
+        """On the ISC, a copy of the journal where the next cycle finds it (``tools/search/isc.py``)."""
+        if self.artifacts is not None:
+            save_journal(Path(self.search.storage), self.artifacts)
+
+    def _checkpoints(self, run_dir: Path) -> Path:
+        """A trial's ``checkpoint.dir``: in its run directory, or on the ISC the artifact path (isc.py)."""
+        return run_dir / "checkpoints" if self.artifacts is None else self.artifacts
 
     def _train(self, claim: Claim, run_dir: Path) -> tuple[int, str]:
         """Run the trial's training to its end; its exit code and the tail of its stderr (which is
         passed on to this worker's stderr as it comes)."""
         settings = self.search.settings
         overrides = [*settings.overrides, *(param.override(claim.params[param.key]) for param in settings.params),
-                     f"run_dir={quoted(run_dir)}", f"checkpoint.dir={quoted(run_dir / 'checkpoints')}",
+                     f"run_dir={quoted(run_dir)}", f"checkpoint.dir={quoted(self._checkpoints(run_dir))}",
                      f"logging.dir={quoted(run_dir / 'tensorboard')}"]
+        if self.artifacts is not None:  # on the ISC: see tools/search/isc.py
+            overrides.append("checkpoint.keep_best=false")
         env = {**os.environ, **self.search.search_trial(claim.number).to_environment()}
         child = subprocess.Popen(trial_command(settings.recipe, overrides, self.nproc), env=env,
                                  stderr=subprocess.PIPE)
@@ -281,6 +334,9 @@ class Worker:
         for key, attr in attrs.items():
             storage.set_trial_user_attr(trial_id, key, attr)
         self.search.study.tell(number, value, state=state)
+        self._keep_journal()
+        if self.artifacts is not None:
+            move_checkpoints(self.artifacts, self.search.run_dir(number) / "checkpoints")
         if state == TrialState.COMPLETE:
             outcome = f"complete, {self.search.metric} {value:.6g}"
         elif state == TrialState.PRUNED:
