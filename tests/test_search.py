@@ -416,6 +416,48 @@ def test_trials_whose_runs_diverge_are_recorded_failed_with_the_reason(
         assert read_summary(Path(trial["run_dir"]))["diverged"]["step"] == 2
 
 
+def test_a_trial_whose_run_directory_another_launch_holds_is_left_to_it_not_failed(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Trial 0's run directory is locked by a live process (here this test's, as the run of a
+    worker that vanished while its run went on would): the trial's run exits 2 refused, and the
+    worker leaves the trial running, neither failed nor started again."""
+    from common.run_lock import RunLock
+
+    overrides = fashion_overrides(tmp_path_factory)
+    params = {"optim.lr": 0.002, "optim.name": "sgd"}
+    space_path, study = enqueued_study(tmp_path, FASHION_SPACE, overrides, [params])
+    (study / "trial_0").mkdir()
+    (study / "trial_0" / "trial.json").write_text(json.dumps({"study": "study", "trial": 0, "params": params}))
+    lock = RunLock(study / "trial_0", log=print)
+    lock.acquire()
+    try:
+        result = run_worker(search_command("fashion_mnist", space_path, study, 1, overrides))
+    finally:
+        lock.release()
+    assert_ok(result)
+    assert "is in use by another launch of this run" in result.stderr
+    assert "trial 0: its run directory is in use by another launch; leaving the trial to it" in result.stdout
+    assert "nothing left for this worker: trial(s) 0 run elsewhere" in result.stdout
+    assert [trial["state"] for trial in study_json(study)["trials"]] == ["running"]
+
+
+def test_a_study_in_a_database_instead_of_the_journal(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+                                                      ) -> None:
+    """``--storage sqlite:///...`` (STORAGE=): the study, and the trials' reports, go to the database."""
+    overrides = fashion_overrides(tmp_path_factory, "trainer.epochs=3")
+    database = f"sqlite:///{tmp_path / 'study.db'}"
+    study = tmp_path / "study"
+    result = run_worker(search_command("fashion_mnist", write_space(tmp_path, FASHION_SPACE), study, 1, overrides,
+                                       "--storage", database))
+    assert_ok(result)
+    assert not (study / "journal.log").exists()
+    import optuna
+
+    (trial,) = optuna.load_study(study_name="study", storage=database).get_trials()
+    assert trial.state.name == "COMPLETE" and sorted(trial.intermediate_values) == [1, 2]
+    assert trial.value == read_summary(study / "trial_0")["metrics"]["eval/top1"] == study_json(study)["best"]["value"]
+
+
 # ---- what a study folder can hold that is not the study's --------------------------------------
 
 
