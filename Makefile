@@ -50,6 +50,13 @@ else
 	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m recipes.$*.train $(ARGS)
 endif
 
+search-fashion_mnist: prep-fashion_mnist
+
+search-%: $(STAMP) FORCE ## Hyperparameter search: [SPACE=<file|preset>] TRIALS=n [STUDY=<dir>] [ARGS=...] [NPROC=n] [STORAGE=<db url>] [REPORT=1]
+	$(PY) -m tools.search $* --study "$(or $(STUDY),runs/$*/search)" $(if $(SPACE),--space "$(SPACE)") \
+		$(if $(TRIALS),--trials "$(TRIALS)") $(if $(STORAGE),--storage "$(STORAGE)") --nproc "$(NPROC)" \
+		$(if $(filter 1,$(REPORT)),--report) -- $(ARGS)
+
 # The one-checkpoint tools read RUN=<run dir | its checkpoint folder | one checkpoint>; WHICH=latest|best|<name>.
 CHECKPOINT_ARGS = "$(or $(RUN),$(error RUN=<run dir | checkpoint folder | checkpoint> is required))" \
 	$(if $(WHICH),--which "$(WHICH)")

@@ -42,10 +42,12 @@ def dumps(obj: Any, **options: Any) -> str:
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
-    """Write ``obj`` to ``path`` atomically (a temporary file renamed over it), indented."""
+    """Write ``obj`` to ``path`` atomically (a temporary file renamed over it), indented. The
+    temporary file is this process's own, so processes writing the same file (the workers of a
+    search, its study.json) each replace it whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(dumps(obj, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path

@@ -42,6 +42,11 @@ run from another run's weights (``common/init_from.py``), with a fresh optimizer
 sampler; a run that resumes its own checkpoint ignores it. ``trainer.early_stopping_patience``
 ends training after that many evaluations in a row without a better ``checkpoint.best_metric``;
 the count is part of the checkpointed :class:`Progress`, so a resumed run keeps it.
+
+A run that is a trial of a hyperparameter search (``python -m tools.search`` sets
+``common.search_trial.TRIAL_VARIABLE``) reports each evaluation at an epoch's end to the study and
+ends like an early stop when the study's pruner says so: evaluated, checkpointed, and
+``summary.json`` saying ``pruned`` and at which step (see :meth:`TrainingRun._report_to_search`).
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ from common.loggers import RunLogger
 from common.metrics import SumMetrics
 from common.rng import rng_state, set_rng_state
 from common.sampler import ResumableDistributedSampler
+from common.search_trial import SearchTrial
 from common.steps import MicroBatches, StepPlan
 from common.summary import output_lines, state_digest, write_summary
 
@@ -99,6 +105,7 @@ class Progress:
     stopped_early: bool = False
     init_from: str = ""  # the weights the run started from (init_from=), kept when it resumes: for the summary
     rollbacks: list[dict[str, Any]] = field(default_factory=list)  # trainer.nonfinite=rollback: one record each
+    pruned: dict[str, Any] | None = None  # a search's pruner stopped this trial: {"step", "epoch", "metric", "value"}
 
     def describe(self) -> str:
         """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""
@@ -232,7 +239,7 @@ class TrainingRun:
     hands it over with :meth:`track_optimizer`. ``config`` (the run's config as plain data) is
     written into every checkpoint's manifest; ``model_cfg`` (its ``model`` node) tells
     ``init_from`` how this recipe names its tensors; ``init_from``, ``init_skip_head`` and
-    ``early_stopping_patience``: see the module.
+    ``early_stopping_patience``: see the module. ``search_trial``: the search trial this run is, if any.
     """
 
     def __init__(
@@ -264,6 +271,7 @@ class TrainingRun:
         nonfinite: str = "stop",
         rollback_lr_factor: float = 1.0,
         max_rollbacks: int = 0,
+        search_trial: SearchTrial | None = None,
     ) -> None:
         self.dist_info = dist_info
         self.plan = plan
@@ -291,6 +299,7 @@ class TrainingRun:
         self.nonfinite = nonfinite
         self.rollback_lr_factor = rollback_lr_factor
         self.max_rollbacks = max_rollbacks
+        self.search_trial = search_trial
         self.watch = NonfiniteWatch(dist_info.device)
         self.progress = Progress()
         self.logger: RunLogger | None = None
@@ -325,7 +334,7 @@ class TrainingRun:
                    init_from=cfg.init_from,
                    init_skip_head=cfg.init_skip_head, early_stopping_patience=cfg.trainer.early_stopping_patience,
                    nonfinite=cfg.trainer.nonfinite.value, rollback_lr_factor=cfg.trainer.rollback_lr_factor,
-                   max_rollbacks=cfg.trainer.max_rollbacks, **objects)
+                   max_rollbacks=cfg.trainer.max_rollbacks, search_trial=SearchTrial.from_environment(), **objects)
 
     # ---- resume ---------------------------------------------------------------------------------
 
@@ -448,7 +457,7 @@ class TrainingRun:
 
     def training_done(self) -> bool:
         return (self.progress.epoch >= self.plan.epochs or self.progress.step >= self.plan.total
-                or self.progress.stopped_early)
+                or self.progress.stopped_early or self.progress.pruned is not None)
 
     def steps(self, micro_batches: Iterable[Any]) -> Iterator[MicroBatches]:
         """The optimizer steps left in this epoch, each the :class:`~common.steps.MicroBatches` of one
@@ -524,8 +533,9 @@ class TrainingRun:
         the next one starts; unless training is done then (the finish evaluates and saves), the
         checkpoint of the epoch's end is saved, with ``evaluate()``'s metrics every
         ``trainer.eval_every_epochs`` epochs. An evaluation that makes early stopping's patience run
-        out ends training instead (the finish then evaluates and saves). It first checks that training
-        is still finite, as before every save; a rollback leaves the epoch unfinished."""
+        out, or that a search prunes, ends training instead (the finish then evaluates and saves). It
+        first checks that training is still finite, as before every save; a rollback leaves the epoch
+        unfinished."""
         if not self._finite_or_handled() or not self.plan.epoch_done():
             return
         self.progress.epoch += 1
@@ -535,7 +545,8 @@ class TrainingRun:
         metrics = evaluate() if self.progress.epoch % self.eval_every_epochs == 0 else None
         if metrics is not None:
             self._count_improvement(metrics, may_stop=True)
-        if not self.progress.stopped_early:
+            self._report_to_search(metrics)
+        if not self.training_done():
             self.save(metrics, milestone=self.milestones.get(self.progress.epoch))
 
     def _count_improvement(self, metrics: dict[str, float], may_stop: bool) -> None:
@@ -559,6 +570,20 @@ class TrainingRun:
             self.console(f"early stopping: {name} has not improved on {best_text} for "
                          f"{progress.evals_without_improvement} evaluation(s); stopping after epoch {progress.epoch} "
                          f"(step {progress.step})")
+
+    # ---- a trial of a hyperparameter search (common/search_trial.py) ----------------------------
+
+    def _report_to_search(self, metrics: dict[str, float]) -> None:
+        """Report this evaluation to the search this run is a trial of, if any; when its pruner says
+        so, training ends here (collective: the ranks agree on the study's answer)."""
+        if self.search_trial is None:
+            return
+        if self.search_trial.report(metrics, self.progress.epoch, self.dist_info.is_main):
+            metric = self.search_trial.metric
+            self.progress.pruned = {"step": self.progress.step, "epoch": self.progress.epoch, "metric": metric,
+                                    "value": metrics[metric]}
+            self.console(f"pruned by the search at step {self.progress.step} (epoch {self.progress.epoch}): "
+                         f"{metric} {metrics[metric]:.4g}; stopping here")
 
     # ---- non-finite training: stop, or roll back (trainer.nonfinite) ----------------------------
 
@@ -713,6 +738,8 @@ class TrainingRun:
                 summary["rollbacks"] = self.progress.rollbacks
             if self.early_stopping_patience > 0:
                 summary["early_stopping"] = self._early_stopping_summary()
+            if self.progress.pruned is not None:
+                summary["pruned"] = self.progress.pruned
             path = write_summary(self.run_dir, recipe=self.recipe, metrics=metrics, progress=self.progress,
                                  world_size=self.dist_info.world_size, model_digest=model_digest,
                                  best_checkpoint=best.path.name if best is not None else None,

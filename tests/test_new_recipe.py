@@ -32,7 +32,8 @@ def test_new_recipe_round_trip(tmp_path: Path) -> None:
                           cwd=sandbox, capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     for path in ("recipes/demo_copy/train.py", "recipes/demo_copy/config.py", "conf/demo_copy.yaml",
-                 "conf/experiment/demo_copy_long.yaml", "data_prep/demo_copy.py", "tests/test_demo_copy.py"):
+                 "conf/experiment/demo_copy_long.yaml", "conf/search/demo_copy.yaml", "data_prep/demo_copy.py",
+                 "tests/test_demo_copy.py"):
         assert (sandbox / path).is_file(), path
     config = (sandbox / "recipes/demo_copy/config.py").read_text()
     assert "class DemoCopyConfig(RunConfig)" in config and 'recipe: str = "demo_copy"' in config

@@ -39,8 +39,9 @@ SUMMARY_FILE = "summary.json"
 CONFIG_FILE = Path(".hydra") / "config.yaml"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 MULTIRUN_FILE = "multirun.yaml"
-# Keys that differ between any two runs by construction, or have a column of their own.
-NOT_COMPARED = {"run_dir", "name"}
+# Keys that differ between any two runs by construction, or have a column of their own (the
+# trials of a search set their own checkpoint.dir and logging.dir).
+NOT_COMPARED = {"run_dir", "name", "checkpoint.dir", "logging.dir"}
 SUMMARY_COLUMNS = ("steps", "epochs", "wall_time_s", "resumes", "world_size")
 
 

@@ -1,7 +1,7 @@
 """Copy a recipe as the start of a new one: ``make new-recipe NAME=x [FROM=fashion_mnist]``.
 
-Copies ``recipes/<from>/``, ``conf/<from>.yaml``, ``conf/experiment/<from>_*.yaml``,
-``data_prep/<from>.py``, ``tests/test_<from>*.py`` and the cluster files
+Copies ``recipes/<from>/``, ``conf/<from>.yaml``, ``conf/experiment/<from>_*.yaml``, the search
+space ``conf/search/<from>.yaml``, ``data_prep/<from>.py``, ``tests/test_<from>*.py`` and the cluster files
 ``cluster/slurm/<from>.sbatch`` and ``cluster/isc/<from>.isc`` (every recipe has both, and the
 suite checks that), renaming the recipe everywhere in them (module paths, config and schema
 names, class-name prefixes), so the copy's tests and the whole suite pass as they are. Nothing
@@ -42,6 +42,9 @@ def files_to_copy(repo: Path, source: str, target: str) -> list[tuple[Path, Path
     pairs.append((repo / "conf" / f"{source}.yaml", repo / "conf" / f"{target}.yaml"))
     for path in sorted((repo / "conf" / "experiment").glob(f"{source}_*.yaml")):
         pairs.append((path, path.with_name(path.name.replace(source, target, 1))))
+    space = repo / "conf" / "search" / f"{source}.yaml"
+    if space.is_file():
+        pairs.append((space, space.with_name(f"{target}.yaml")))
     prep = repo / "data_prep" / f"{source}.py"
     if prep.is_file():
         pairs.append((prep, repo / "data_prep" / f"{target}.py"))

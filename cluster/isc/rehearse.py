@@ -146,9 +146,10 @@ def sync_checkpoints(live: Path, store: Path) -> Shipped | None:
     """One sync of Checkpoint Artifacts from ``live`` (CHECKPOINT_ARTIFACT_PATH) into ``store``.
 
     Ships what each ``*.latest_checkpoint`` symlink points at, every ``_force`` directory, and the
-    symlinks; deletes from ``live`` the other checkpoint directories older than the shipped one
-    (newer ones were written after the symlink was read and wait for the next sync). Returns the
-    shipped latest checkpoint (the last symlink's, by name) or None if there is none.
+    symlinks; deletes from ``live`` the other checkpoint directories of the same saver name older
+    than the shipped one (newer ones were written after the symlink was read and wait for the next
+    sync; several savers each have their own name). Returns the shipped latest checkpoint (the last
+    symlink's, by name) or None if there is none.
     """
     store.mkdir(parents=True, exist_ok=True)
     shipped = None
@@ -168,6 +169,7 @@ def sync_checkpoints(live: Path, store: Path) -> Shipped | None:
         temp.unlink(missing_ok=True)
         os.symlink(target_path, temp)
         os.replace(temp, store / link.name)
+        saver = link.name.removesuffix(SYMLINK_SUFFIX)
         for path in live.iterdir():
             other = _checkpoint_index(path)
             if other is None or path == target:
@@ -175,7 +177,7 @@ def sync_checkpoints(live: Path, store: Path) -> Shipped | None:
             if path.name.endswith("_force"):
                 if not (store / path.name).exists():
                     _copy_into(path, store / path.name)
-            elif other < index:
+            elif other < index and path.name.startswith(f"{saver}_checkpoint_"):
                 shutil.rmtree(path, ignore_errors=True)
     return shipped
 

@@ -60,22 +60,32 @@ on_each_node() {
     fi
 }
 
-# slurm_job_setup <recipe> <data root> [hydra overrides...]
-# Sets REPO, PYTHON, RECIPE, RUN_DIR, NPROC_PER_NODE and OVERRIDES (data.root first).
-#   STAGE_DATA=1   copy the data root to node-local disk (${STAGE_DIR:-${TMPDIR:-/tmp}}) first;
-#                  removed when the job ends or requeues. Checkpoints and logs stay in RUN_DIR.
+# slurm_repo_setup <recipe>
+# Sets REPO (the repository, now the working directory), PYTHON and NPROC_PER_NODE.
 #   PYTHON         the interpreter (default: <repo>/.venv/bin/python, else python3)
 #   NPROC_PER_NODE processes per node (default: the GPUs SLURM gave the node, else 1)
+slurm_repo_setup() {
+    REPO=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
+    [[ -f $REPO/recipes/$1/train.py ]] ||
+        die "$REPO/recipes/$1/train.py not found: submit from the repository root or set REPO_DIR"
+    cd "$REPO" || die "cannot cd to $REPO"
+    PYTHON=${PYTHON:-$REPO/.venv/bin/python}
+    [[ -x $PYTHON ]] || PYTHON=$(command -v python3) || die "no Python found: run 'make setup' or set PYTHON"
+    NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
+    [[ $NPROC_PER_NODE =~ ^[1-9][0-9]*$ ]] || NPROC_PER_NODE=1
+    # srun no longer inherits --cpus-per-task from sbatch (Slurm >= 22.05).
+    if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi
+}
+
+# slurm_job_setup <recipe> <data root> [hydra overrides...]
+# slurm_repo_setup, then sets RECIPE, RUN_DIR and OVERRIDES (data.root first).
+#   STAGE_DATA=1   copy the data root to node-local disk (${STAGE_DIR:-${TMPDIR:-/tmp}}) first;
+#                  removed when the job ends or requeues. Checkpoints and logs stay in RUN_DIR.
 slurm_job_setup() {
     RECIPE=$1
     local data_root=$2 arg name=""
     shift 2
-    REPO=${REPO_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
-    [[ -f $REPO/recipes/$RECIPE/train.py ]] ||
-        die "$REPO/recipes/$RECIPE/train.py not found: submit from the repository root or set REPO_DIR"
-    cd "$REPO" || die "cannot cd to $REPO"
-    PYTHON=${PYTHON:-$REPO/.venv/bin/python}
-    [[ -x $PYTHON ]] || PYTHON=$(command -v python3) || die "no Python found: run 'make setup' or set PYTHON"
+    slurm_repo_setup "$RECIPE"
 
     OVERRIDES=()
     RUN_DIR=""
@@ -106,11 +116,6 @@ slurm_job_setup() {
     fi
     OVERRIDES=("data.root=$data_root" "${OVERRIDES[@]}")
 
-    NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
-    [[ $NPROC_PER_NODE =~ ^[1-9][0-9]*$ ]] || NPROC_PER_NODE=1
-    # srun no longer inherits --cpus-per-task from sbatch (Slurm >= 22.05).
-    if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi
-
     log "start (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname): $RECIPE, ${SLURM_NNODES:-1} node(s) x" \
         "$NPROC_PER_NODE process(es), run dir $RUN_DIR"
 }
@@ -139,7 +144,7 @@ run_preemptible() {
     fi
     remove_staged_data
     if [[ $status -eq 0 ]]; then
-        log "training finished; summary in $RUN_DIR/summary.json"
+        log "training finished${RUN_DIR:+; summary in $RUN_DIR/summary.json}"
         return 0
     fi
     if [[ $STOP_SIGNAL == USR1 && $status -eq 75 ]]; then
