@@ -2,7 +2,8 @@
 
 Each recipe composes these into its own top-level dataclass in ``recipes/<r>/config.py``, which
 holds every default of the recipe: its own nodes' field defaults, and the values it gives the
-shared nodes (``trainer``, ``checkpoint``) where they differ from the defaults here.
+shared nodes (``trainer``, ``checkpoint``) where they differ from the defaults here; the nodes no
+recipe changes (``profile``) are fields of :class:`RunConfig` itself.
 ``common.entry.recipe_main`` registers that dataclass with Hydra; ``conf/<r>.yaml`` composes it
 with the shared run layout and sets no values. Because the schema is typed, an unknown key or
 a value of the wrong type fails before any work. The same idea has the same key in every recipe:
