@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -94,10 +95,15 @@ class FlopCount:
 
     def __init__(self) -> None:
         self._counter = FlopCounterMode(display=False)
+        # Its module hooks are global: torch.compile warns that they fire twice, which changes no count.
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         self._counter.__enter__()
 
     def stop(self) -> float:
         self._counter.__exit__(None, None, None)
+        self._warnings.__exit__(None, None, None)
         return float(self._counter.get_total_flops())
 
 
