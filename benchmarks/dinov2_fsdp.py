@@ -22,13 +22,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks.results import Result
 from common.image_batches import Normalize
 from common.precision import autocast
+from common.telemetry import device_peak_flops
 from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
 from recipes.dinov2_fsdp.model import DINOV2_ARCHITECTURES, DinoClassifier
 from recipes.dinov2_fsdp.train import make_optimizer
 
 BENCHMARK = "dinov2_fsdp fine-tune"
-# Dense bf16 tensor-core peaks from the vendor data sheets, in FLOP/s.
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
 
 @dataclass(frozen=True)
@@ -44,13 +43,6 @@ FULL = (
     Size("ViT-L/14", DINOV2_ARCHITECTURES["facebook/dinov2-large"], 224, 64),
 )
 QUICK = (Size("tiny ViT/14 (CPU)", {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}, 56, 8),)
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
 
 
 def build(size: Size, device: torch.device) -> DinoClassifier:
@@ -97,7 +89,7 @@ def measure(size: Size, device: torch.device, compiled_too: bool, warmup: int, s
     images = torch.randint(0, 256, (size.batch_size, 3, 32, 32), dtype=torch.uint8, device=device)
     labels = torch.randint(0, 100, (size.batch_size,), device=device)
     normalize = Normalize(MEAN, STD, device, input_max=1)
-    peak = peak_flops(device)
+    peak = device_peak_flops(device, "bf16")
     flops = flops_per_step(model, size, device) if peak is not None else None
     results = []
     for compiled in (False, True) if compiled_too else (False,):

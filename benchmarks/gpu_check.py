@@ -77,6 +77,7 @@ from benchmarks.results import Result  # noqa: E402
 from benchmarks.run import HAND_END, RESULTS_FILE, format_value  # noqa: E402
 from common.determinism import CUBLAS_WORKSPACE  # noqa: E402
 from common.errors import EXIT_PREEMPTED  # noqa: E402
+from common.run_lock import LOCK_FILE  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 JSON_FILE = Path(__file__).with_name("gpu_check.json")
@@ -224,7 +225,8 @@ def sigterm_after_first_checkpoint(recipe: str, overrides: list[str], device: st
                                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + run_timeout(device)
         while process.poll() is None and time.monotonic() < deadline:
-            if checkpoints.is_dir() and any(checkpoints.iterdir()):  # any layout: the first save has begun
+            # Any entry but the run's lock (taken before the run starts): the first save has begun.
+            if checkpoints.is_dir() and any(path.name != LOCK_FILE for path in checkpoints.iterdir()):
                 process.send_signal(signal.SIGTERM)
                 break
             time.sleep(0.05)

@@ -34,10 +34,11 @@ from common.divergence import NonfiniteWatch
 from common.entry import compose_config
 from common.loggers import RunLogger
 from common.metrics import SumMetrics
-from common.optim import param_groups, warmup_cosine
+from common.optim import warmup_cosine, weight_decay_groups
 from common.rng import seeded_generator
 from common.run import CheckpointCadence, Decision, StopSignals
 from common.sampler import ResumableDistributedSampler
+from common.telemetry import StepTelemetry
 from recipes.fashion_mnist import train as recipe
 from recipes.fashion_mnist.data import load_split, normalize
 from recipes.fashion_mnist.model import build_model
@@ -59,7 +60,7 @@ class BareLoop:
     def __init__(self, cfg: DictConfig, device: torch.device) -> None:
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model).to(device).to(memory_format=torch.channels_last)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr)
+        self.optimizer = torch.optim.AdamW(weight_decay_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr)
         self.images, self.labels = (t.to(device) for t in load_split(cfg.data.root, "train"))
         steps_per_epoch = len(self.images) // cfg.trainer.batch_size
         self.scheduler = warmup_cosine(self.optimizer, round(cfg.optim.warmup_epochs * steps_per_epoch),
@@ -154,15 +155,20 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int, l
     cadence = CheckpointCadence(0, 1e9, 10, stop_signals)
     logger = RunLogger("none", log_dir, True, "bench", progress_bar=False)
     bar = logger.progress(steps, 0, "bookkeeping")
+    telemetry = StepTelemetry(device, "fp32")
+    batches = telemetry.batches(range(steps))  # the loop's source of micro-batches, timed
     synchronize(device)
     start = time.perf_counter()
     for step in range(1, steps + 1):
+        next(batches)
         seeded_generator(device, 0, step, 0)
         sums.add(loss=loss.detach() * len(labels), correct=(logits.argmax(1) == labels).sum(), count=len(labels))
         sampler.advance(len(labels))
         bar.update()
+        telemetry.step_done(len(labels), None)
         if step % SEGMENT == 0:
-            logger.log({name: value / batch_size for name, value in sums.reduce().items()}, step)
+            logger.log({**{name: value / batch_size for name, value in sums.reduce().items()},
+                        **telemetry.report(1, None, None)}, step)
             sums.reset()
         watch.observe(step, sums.running("loss"))
         cadence.after_step(step, watch.poll)
@@ -202,8 +208,8 @@ def run(quick: bool) -> list[Result]:
         results.append(Result(
             BENCHMARK, f"{device}: shared-layer calls alone", bookkeeping, "us/step",
             f"{100 * bookkeeping / 1000 / bare_step_ms:.2f}"
-            " % of the bare step; seeded generator, SumMetrics.add, sampler.advance, progress bar, "
-            f"logging (metrics.jsonl) every {SEGMENT} steps, cadence check",
+            " % of the bare step; seeded generator, SumMetrics.add, sampler.advance, progress bar, the "
+            f"telemetry's clocks, logging (metrics.jsonl) every {SEGMENT} steps, cadence check",
         ))
     return results
 

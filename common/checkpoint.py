@@ -7,7 +7,8 @@ One layout everywhere, the one the Strong Compute ISC's Checkpoint Artifacts shi
       AtomicDirectory_checkpoint_7/
         state.pt          everything that is not sharded (torch.save, loaded with weights_only)
         sharded/          optional: torch.distributed.checkpoint files (FSDP), every rank's shards
-        manifest.json     written last: step, metrics, the run's config, sha256 and size of every file
+        manifest.json     written last: step, metrics, the run's config, the provenance of the
+                          segment that saved it, sha256 and size of every file
       AtomicDirectory.latest_checkpoint -> /abs/path/checkpoints/AtomicDirectory_checkpoint_7
 
 ``N`` counts saves (the step is in the manifest), so a step saved twice (an epoch's last step,
@@ -325,6 +326,7 @@ class LoadedCheckpoint:
     step: int
     state: dict[str, Any]
     metrics: dict[str, float]
+    provenance: dict[str, Any] | None = None  # of the run segment that saved it (common/provenance.py)
 
 
 class CheckpointError(Exception):
@@ -468,13 +470,15 @@ class CheckpointManager:
         sharded_state: dict[str, Any] | None = None,
         milestone: str | None = None,
         config: dict[str, Any] | None = None,
+        provenance: dict[str, Any] | None = None,
     ) -> None:
         """Write a checkpoint of ``step``. Blocks until it is committed unless ``async_save`` is on.
         Collective: every rank calls it.
 
         ``milestone`` (e.g. "end of linear probe") names a checkpoint that must be kept: it is
         ``_force`` and never pruned. ``config`` (the run's config as plain data) goes into the
-        manifest, so a checkpoint folder on its own says how to rebuild its model. With
+        manifest, so a checkpoint folder on its own says how to rebuild its model, and so does
+        ``provenance`` (the record of the run segment that saves it), so it says what wrote it. With
         ``async_save`` it waits for the previous background save, copies ``state`` and this rank's
         ``sharded_state`` to host memory and returns; :meth:`wait` (or the next save or load)
         blocks until it is committed.
@@ -498,6 +502,8 @@ class CheckpointManager:
         manifest = {"format": 2, "step": step, "metrics": metrics, "milestone": milestone}
         if config is not None:
             manifest["config"] = config
+        if provenance is not None:
+            manifest["provenance"] = provenance
         if self.async_save:
             self._save_in_background(tmp, final, state, sharded_state, manifest, size)
             return
@@ -687,11 +693,11 @@ class CheckpointManager:
         if self.is_main and self.directory.is_dir():
             found = newest_valid_checkpoint(self.directory, self.log)
             if found is not None:
-                chosen = (str(found[0]), found[1]["step"], found[1]["metrics"])
+                chosen = (str(found[0]), found[1]["step"], found[1]["metrics"], found[1].get("provenance"))
         chosen = distributed.broadcast_object(chosen)
         if chosen is None:
             return None
-        path, step, metrics = Path(chosen[0]), chosen[1], chosen[2]
+        path, step, metrics, provenance = Path(chosen[0]), *chosen[1:]
         try:
             state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as error:
@@ -701,4 +707,4 @@ class CheckpointManager:
             import torch.distributed.checkpoint as dcp
 
             dcp.load(sharded_state, checkpoint_id=str(path / SHARDED_DIR))
-        return LoadedCheckpoint(path=path, step=step, state=state, metrics=metrics)
+        return LoadedCheckpoint(path=path, step=step, state=state, metrics=metrics, provenance=provenance)

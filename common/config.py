@@ -2,7 +2,8 @@
 
 Each recipe composes these into its own top-level dataclass in ``recipes/<r>/config.py``, which
 holds every default of the recipe: its own nodes' field defaults, and the values it gives the
-shared nodes (``trainer``, ``checkpoint``) where they differ from the defaults here.
+shared nodes (``trainer``, ``checkpoint``) where they differ from the defaults here; the nodes no
+recipe changes (``profile``) are fields of :class:`RunConfig` itself.
 ``common.entry.recipe_main`` registers that dataclass with Hydra; ``conf/<r>.yaml`` composes it
 with the shared run layout and sets no values. Because the schema is typed, an unknown key or
 a value of the wrong type fails before any work. The same idea has the same key in every recipe:
@@ -12,7 +13,7 @@ for top-1 accuracy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -129,6 +130,19 @@ class MixupConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``torch.profiler`` traces and CUDA memory snapshots on demand (``common/profiling.py``)."""
+
+    enabled: bool = False  # trace optimizer steps start_step .. start_step + active_steps - 1, every rank
+    start_step: int = 10  # the first traced optimizer step (steps count from 1)
+    active_steps: int = 3
+    memory: bool = False  # CUDA: also a memory snapshot (allocation history) of those steps
+    # CUDA: record the allocation history from the start; an out-of-memory error then dumps it before the
+    # run ends (recording costs some speed and host memory: leave it off unless you are chasing an OOM).
+    memory_on_oom: bool = False
+
+
+@dataclass
 class RunConfig:
     """Fields every recipe's top-level config starts with."""
 
@@ -141,6 +155,7 @@ class RunConfig:
     # folder) with a fresh optimizer, schedule and sampler; a run that resumes its own checkpoint ignores it.
     init_from: str = ""
     init_skip_head: bool = False  # leave the classifier head out of init_from (when the classes differ)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def plain_config(cfg: Any) -> dict[str, Any]:

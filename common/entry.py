@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -36,10 +37,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from common import distributed
-from common.config import RunConfig, config_record
+from common.config import RunConfig, config_record, plain_config
 from common.determinism import configure_determinism
 from common.distributed import DistInfo
 from common.errors import EXIT_USER_ERROR, Preempted, RunStopped, UserError
+from common.profiling import out_of_memory_error, record_memory_history
 from common.run_lock import RunLockHeld, run_locks
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -206,10 +208,16 @@ def distributed_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistIn
 def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]:
     """A :func:`distributed_process` that trains into ``cfg.run_dir``: rank 0 holds the run's lock
     (``common/run_lock.py``) for the job's ranks before anything reads a checkpoint, then records
-    the config in ``.hydra/``. A run held by another launch is a one-line error on every rank,
+    the config in ``.hydra/`` and prints it, resolved, once per segment (SLURM's and the ISC's logs
+    are where people look). A run held by another launch is a one-line error on every rank,
     printed once, and nothing is written. A stop every rank agreed on (a refused lock, a divergence)
-    is reported before any rank exits: a launcher that sees one rank end stops the others."""
+    is reported before any rank exits: a launcher that sees one rank end stops the others. A CUDA
+    out-of-memory error becomes a one-line error (``common/profiling.py``; with
+    ``profile.memory_on_oom`` the allocation history is recorded from here on, and dumped then)."""
     with distributed_process(cfg, **process_group) as dist_info:
+        if cfg.profile.memory_on_oom and not record_memory_history(dist_info.device) and dist_info.is_main:
+            print(f"profile.memory_on_oom: no memory history, it records CUDA allocations and this run is on "
+                  f"{dist_info.device.type}", flush=True)
         refusal = None
         try:
             with contextlib.ExitStack() as held:
@@ -222,25 +230,30 @@ def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]
                 if refusal is not None:
                     raise UserError(refusal, agreed=True)
                 if dist_info.is_main:
-                    record_config(cfg)
+                    path = record_config(cfg)
+                    print(f"config ({path}):\n{OmegaConf.to_yaml(plain_config(cfg))}", end="", flush=True)
                 yield dist_info
         except RunStopped as stop:
             if stop.agreed:
                 report_stop(stop)
                 distributed.barrier()
             raise
+        except torch.OutOfMemoryError as error:
+            raise out_of_memory_error(error, cfg.run_dir, dist_info, cfg.trainer.batch_size,
+                                      cfg.trainer.global_batch_size) from error
 
 
-def record_config(cfg: RunConfig) -> None:
+def record_config(cfg: RunConfig) -> Path:
     """``.hydra/config.yaml`` (and ``overrides.yaml`` when Hydra composed ``cfg``) in the run
     directory, where Hydra would write them (:func:`common.config.config_record`); written here,
     once the run's lock is held, so that a launch refused by the lock leaves the running one's
-    files alone (``conf/run_layout.yaml`` turns Hydra's own copy off)."""
+    files alone (``conf/run_layout.yaml`` turns Hydra's own copy off). Returns the config's path."""
     folder = Path(cfg.run_dir) / CONFIG_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(config_record(cfg)), folder / "config.yaml")
     if HydraConfig.initialized():
         OmegaConf.save(OmegaConf.create(list(HydraConfig.get().overrides.task)), folder / "overrides.yaml")
+    return folder / "config.yaml"
 
 
 def exit_after(main: Callable[[], Any]) -> NoReturn:

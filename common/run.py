@@ -72,17 +72,20 @@ from common.checkpoint import (
     is_artifact_path,
     latest_checkpoint,
 )
-from common.config import RunConfig, config_record
+from common.config import ProfileConfig, RunConfig, config_record
 from common.distributed import DistInfo
 from common.divergence import NONE, NonfiniteWatch, all_finite, scale_learning_rate
 from common.errors import EXIT_DIVERGED, Diverged, Preempted, UserError
 from common.loggers import RunLogger
 from common.metrics import SumMetrics
+from common.profiling import StepProfiler
+from common.provenance import bit_identity_differences, segment_record
 from common.rng import rng_state, set_rng_state
 from common.sampler import ResumableDistributedSampler
 from common.search_trial import SearchTrial
 from common.steps import MicroBatches, StepPlan
 from common.summary import output_lines, state_digest, write_summary
+from common.telemetry import FlopCount, StepTelemetry, clip_grad_norm
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # Taken over only when some Python code already handles it (submitit's requeue signal by default).
@@ -106,6 +109,9 @@ class Progress:
     init_from: str = ""  # the weights the run started from (init_from=), kept when it resumes: for the summary
     rollbacks: list[dict[str, Any]] = field(default_factory=list)  # trainer.nonfinite=rollback: one record each
     pruned: dict[str, Any] | None = None  # a search's pruner stopped this trial: {"step", "epoch", "metric", "value"}
+    # train/mfu: the model's FLOPs per sample in a training step, counted on the run's first step (again
+    # after a new optimizer: dinov2's stage switch); kept, so a resumed run counts nothing.
+    flops_per_sample: float | None = None
 
     def describe(self) -> str:
         """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""
@@ -239,7 +245,10 @@ class TrainingRun:
     hands it over with :meth:`track_optimizer`. ``config`` (the run's config as plain data) is
     written into every checkpoint's manifest; ``model_cfg`` (its ``model`` node) tells
     ``init_from`` how this recipe names its tensors; ``init_from``, ``init_skip_head`` and
-    ``early_stopping_patience``: see the module. ``search_trial``: the search trial this run is, if any.
+    ``early_stopping_patience``: see the module. ``search_trial``: the search trial this run is, if
+    any. ``log_every_steps``, ``grad_clip_norm``, ``precision`` and ``deterministic`` are the
+    ``trainer`` node's (:meth:`clip_grad_norm`, the telemetry of :meth:`log_train`, the provenance
+    check of :meth:`resume`); ``profile`` the ``profile`` node.
     """
 
     def __init__(
@@ -272,6 +281,11 @@ class TrainingRun:
         rollback_lr_factor: float = 1.0,
         max_rollbacks: int = 0,
         search_trial: SearchTrial | None = None,
+        log_every_steps: int = 50,
+        grad_clip_norm: float = 0.0,
+        precision: str = "fp32",
+        deterministic: bool = False,
+        profile: ProfileConfig | None = None,
     ) -> None:
         self.dist_info = dist_info
         self.plan = plan
@@ -300,20 +314,26 @@ class TrainingRun:
         self.rollback_lr_factor = rollback_lr_factor
         self.max_rollbacks = max_rollbacks
         self.search_trial = search_trial
+        self.log_every_steps = log_every_steps
+        self.grad_clip_norm = grad_clip_norm
+        self.deterministic = deterministic
+        self.profile = profile or ProfileConfig()
         self.watch = NonfiniteWatch(dist_info.device)
+        self.telemetry = StepTelemetry(dist_info.device, precision)
         self.progress = Progress()
         self.logger: RunLogger | None = None
         self.loaded: LoadedCheckpoint | None = None
+        self.provenance: dict[str, Any] | None = None  # this segment's record (rank 0), in every manifest it saves
+        self.profiler: StepProfiler | None = None
+        self._flop_count: FlopCount | None = None
         self._bar: Any = None
         self._clock = time.monotonic()  # wall time of this segment, added to progress.train_seconds at each save
-        self._log_clock = self._clock
-        self._samples_since_log = 0
 
     @classmethod
     def from_config(cls, cfg: RunConfig, dist_info: DistInfo, plan: StepPlan, **objects: Any) -> TrainingRun:
         """From a recipe's whole config: its ``checkpoint`` node (read here only), ``logging``,
-        ``trainer.eval_every_epochs`` and ``trainer.early_stopping_patience``, ``recipe``,
-        ``run_dir``, ``init_from`` and ``init_skip_head``. ``objects``: see the class.
+        ``profile``, the ``trainer`` settings the class names, ``recipe``, ``run_dir``, ``init_from``
+        and ``init_skip_head``. ``objects``: see the class.
         In the ISC's ``CHECKPOINT_ARTIFACT_PATH`` nothing is pruned: the ISC deletes what it does not ship.
         Installs the SIGTERM/SIGUSR1 handlers."""
         checkpoint = cfg.checkpoint
@@ -334,7 +354,10 @@ class TrainingRun:
                    init_from=cfg.init_from,
                    init_skip_head=cfg.init_skip_head, early_stopping_patience=cfg.trainer.early_stopping_patience,
                    nonfinite=cfg.trainer.nonfinite.value, rollback_lr_factor=cfg.trainer.rollback_lr_factor,
-                   max_rollbacks=cfg.trainer.max_rollbacks, search_trial=SearchTrial.from_environment(), **objects)
+                   max_rollbacks=cfg.trainer.max_rollbacks, log_every_steps=cfg.trainer.log_every_steps,
+                   grad_clip_norm=cfg.trainer.grad_clip_norm, precision=cfg.trainer.precision.value,
+                   deterministic=cfg.trainer.deterministic, profile=cfg.profile,
+                   search_trial=SearchTrial.from_environment(), **objects)
 
     # ---- resume ---------------------------------------------------------------------------------
 
@@ -367,11 +390,26 @@ class TrainingRun:
                 self.console(f"init_from={self.init_from} ignored: the run resumed from its own checkpoint")
         if initialized is not None:
             self.console(f"initialized from {initialized}")
-        self._clock = self._log_clock = time.monotonic()
+        self._record_provenance()
+        self.profiler = StepProfiler(self.profile, self.run_dir, self.dist_info, self.console)
+        self._clock = time.monotonic()
+        self.telemetry.start_window()
         self.cadence.saved()  # the wall-clock interval starts now, as after a save
         if self.nonfinite == "rollback" and self.loaded is None:
             self.save()  # a rollback needs a finite checkpoint to go back to, from the first step on
         return self.progress
+
+    def _record_provenance(self) -> None:
+        """Record this segment (``common/provenance.py``; collective). With ``trainer.deterministic``, say
+        in a line when the checkpoint it resumes was written with another GPU, driver or software, since
+        the continuation cannot then be bit-identical."""
+        resumed_from = {"checkpoint": self.loaded.path.name, "step": self.loaded.step} if self.loaded else None
+        self.provenance = segment_record(self.run_dir, self.dist_info, resumed_from)
+        if self.deterministic and self.loaded is not None and self.provenance is not None:
+            differences = bit_identity_differences(self.loaded.provenance, self.provenance)
+            if differences:
+                self.console(f"trainer.deterministic=true, but this resume will not be bit-identical to an "
+                             f"uninterrupted run: {self.loaded.path.name} was written with " + ", ".join(differences))
 
     def _load_latest(self) -> tuple[LoadedCheckpoint | None, dict[str, Any] | None]:
         """The newest valid checkpoint, loaded to the CPU, and the model's shards read from it
@@ -452,6 +490,8 @@ class TrainingRun:
         self.optimizer, self.scheduler = optimizer, scheduler
         if restore and self.loaded is not None:
             self._restore_optimizer(self.loaded)
+        elif not restore:
+            self.progress.flops_per_sample = None  # what a step trains changed: count its FLOPs again
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -464,14 +504,19 @@ class TrainingRun:
         step (``micro_batches``: the rest of the epoch, as the sampler hands it out: index tensors or
         a DataLoader). After each step (which must call :meth:`step_done`) it saves when the cadence
         says so; after SIGTERM/SIGUSR1 it saves and raises :class:`~common.errors.Preempted`. It
-        ends at the epoch's end or at the run's last step."""
+        ends at the epoch's end or at the run's last step. It times how long each micro-batch takes
+        to come (``train/data_wait_frac``), counts the FLOPs of the step that needs counting
+        (``train/mfu``) and traces the steps ``profile.*`` asks for."""
         plan, progress = self.plan, self.progress
         extra = f" ({', '.join(f'{k} {v}' for k, v in progress.extra.items())})" if progress.extra else ""
         self._bar = self.logger.progress(plan.per_epoch, initial=plan.per_epoch - plan.steps_left(),
                                          description=f"epoch {progress.epoch + 1}/{plan.epochs}{extra}")
         try:
-            for group in plan.groups(micro_batches):
+            for group in plan.groups(self.telemetry.batches(micro_batches)):
                 step = progress.step
+                self.profiler.step_starting(step + 1)
+                if progress.flops_per_sample is None and self._flop_count is None:
+                    self._flop_count = FlopCount()
                 yield group
                 if progress.step != step + 1:
                     raise RuntimeError("the loop must call run.step_done() once after each optimizer step")
@@ -485,33 +530,52 @@ class TrainingRun:
                     self.save()
                 if decision.stop:
                     self.checkpoints.wait()
+                    self.profiler.close()
                     self.logger.close()
                     raise self.cadence.preempted(progress.step)
         finally:
             self._bar.close()
             self._bar = None
 
+    def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
+        """The step's total gradient norm before clipping, with the gradients clipped to
+        ``trainer.grad_clip_norm`` when that is set (:func:`common.telemetry.clip_grad_norm`; under
+        fp16 they are unscaled first). Computed every step when clipping, else only on a step that
+        logs (``train/grad_norm``): None on the others, which pay nothing. No host sync. Call it
+        between the backward passes and the optimizer step, and hand its value to :meth:`step_done`."""
+        if not self.grad_clip_norm and (self.progress.step + 1) % self.log_every_steps:
+            return None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        return clip_grad_norm(parameters, self.grad_clip_norm)
+
     def step_done(self, samples: int, grad_norm: torch.Tensor | None = None) -> None:
         """Count an optimizer step that used ``samples`` samples on each rank (the sampler's position
         moves on by that many for every rank), and watch it for values that are not finite: the
         training loss (the ``loss`` every recipe sums in ``train_sums``, each micro-batch's) and
-        ``grad_norm`` (where the step computes it). Under fp16 a non-finite gradient is the grad
-        scaler's to handle (it skips that step and lowers its scale), so it is not watched there."""
+        ``grad_norm`` where the step clips (:meth:`clip_grad_norm`; a norm measured only for the log is
+        not watched, so that a divergence is still told on the ranks where the loss went first).
+        Under fp16 a non-finite gradient is the grad scaler's to handle (it skips that step and
+        lowers its scale), so it is not watched there."""
         self.sampler.advance(samples)
         self.progress.step += 1
         scaler_skips = self.scaler is not None and self.scaler.is_enabled()
-        self.watch.observe(self.progress.step, self.train_sums.running("loss"), None if scaler_skips else grad_norm)
-        self._samples_since_log += samples
+        watched_norm = grad_norm if self.grad_clip_norm and not scaler_skips else None
+        self.watch.observe(self.progress.step, self.train_sums.running("loss"), watched_norm)
+        self.telemetry.step_done(samples, grad_norm)
+        if self._flop_count is not None:
+            self.progress.flops_per_sample = self._flop_count.stop() / max(samples, 1)
+            self._flop_count = None
+        self.profiler.step_finished(self.progress.step)
         self._bar.update()
 
     def log_train(self, metrics: dict[str, float]) -> None:
-        """Log training metrics at this step, with ``train/images_per_s`` since the previous log
-        (every rank's samples, by wall clock, evaluations and saves included); show them on the
-        progress bar, or as a progress line where there is no terminal."""
-        now = time.monotonic()
-        images_per_s = self._samples_since_log * self.dist_info.world_size / max(now - self._log_clock, 1e-9)
-        metrics = {**metrics, "train/images_per_s": images_per_s}
-        self._samples_since_log, self._log_clock = 0, now
+        """Log training metrics at this step with the run's telemetry since the previous log
+        (``common/telemetry.py``: ``train/images_per_s``, ``train/step_s``, ``train/data_wait_frac``,
+        ``train/grad_norm``, ``train/max_mem_gib``, ``train/mfu``, the slowest rank); show them on the
+        progress bar, or as a progress line where there is no terminal. Collective on several ranks."""
+        metrics = {**metrics, **self.telemetry.report(self.dist_info.world_size, self.progress.flops_per_sample,
+                                                      self.cadence.group)}
         self.logger.log(metrics, self.progress.step)
         if self._bar is not None:
             self._bar.set_postfix({name.removeprefix("train/"): f"{value:.4g}" for name, value in metrics.items()})
@@ -542,8 +606,10 @@ class TrainingRun:
         self.sampler.set_epoch(self.progress.epoch)
         if self.training_done():
             return
-        metrics = evaluate() if self.progress.epoch % self.eval_every_epochs == 0 else None
-        if metrics is not None:
+        metrics = None
+        if self.progress.epoch % self.eval_every_epochs == 0:
+            with self.telemetry.excluded():
+                metrics = evaluate()
             self._count_improvement(metrics, may_stop=True)
             self._report_to_search(metrics)
         if not self.training_done():
@@ -638,6 +704,7 @@ class TrainingRun:
         self.progress.rollbacks = [*kept.rollbacks, record]
         self.progress.resumes, self.progress.train_seconds = kept.resumes, seconds
         self._clock = time.monotonic()
+        self.telemetry.start_window()
         self.watch.reset()
         self.console(f"rollback {len(self.progress.rollbacks)} of at most {self.max_rollbacks}: {what}; back to step "
                      f"{back_to} ({loaded.path.name}), skipping the batches of steps {back_to + 1}-{nonfinite_step}"
@@ -674,18 +741,19 @@ class TrainingRun:
     # ---- checkpoints ----------------------------------------------------------------------------
 
     def save(self, metrics: dict[str, float] | None = None, milestone: str | None = None) -> None:
-        """Checkpoint everything now (collective: every rank calls it)."""
+        """Checkpoint everything now (collective: every rank calls it), with this segment's provenance."""
         now = time.monotonic()
         self.progress.train_seconds += now - self._clock
         self._clock = now
-        sharded_state = None
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import get_state_dict
+        with self.telemetry.excluded():
+            sharded_state = None
+            if self.sharded:
+                from torch.distributed.checkpoint.state_dict import get_state_dict
 
-            model_shards, optimizer_shards = get_state_dict(self.model, self.optimizer)
-            sharded_state = {"model": model_shards, "optimizer": optimizer_shards}
-        self.checkpoints.save(self.progress.step, self._capture(), metrics, sharded_state=sharded_state,
-                              milestone=milestone, config=self.config)
+                model_shards, optimizer_shards = get_state_dict(self.model, self.optimizer)
+                sharded_state = {"model": model_shards, "optimizer": optimizer_shards}
+            self.checkpoints.save(self.progress.step, self._capture(), metrics, sharded_state=sharded_state,
+                                  milestone=milestone, config=self.config, provenance=self.provenance)
         self.cadence.saved()
 
     def _capture(self) -> dict[str, Any]:
@@ -725,6 +793,7 @@ class TrainingRun:
             at_epoch_end = self.sampler.consumed == 0
             self.save(metrics, milestone=self.milestones.get(self.progress.epoch) if at_epoch_end else None)
         self.checkpoints.wait()
+        self.profiler.close()
         self.logger.close()
         self.cadence.close()
         model_digest = self._model_digest()

@@ -53,11 +53,13 @@ def test_the_training_step_is_found_in_every_train_py(recipe: str) -> None:
     train_py = REPO / "recipes" / recipe / "train.py"
     step, allowed = step_lines(train_py)
     lines = train_py.read_text().splitlines()
-    increment = next(n for n, line in enumerate(lines, 1) if line.strip() == "run.step_done(group.samples)")
+    increment = next(n for n, line in enumerate(lines, 1) if line.strip().startswith("run.step_done(group.samples"))
+    grad_norm = next(n for n, line in enumerate(lines, 1) if "run.clip_grad_norm(" in line)
     loop = next(n for n, line in enumerate(lines, 1) if "in run.steps(" in line)
     reduce_for_logging = next(n for n, line in enumerate(lines, 1) if "train_sums.reduce()" in line)
     backward = next(n for n, line in enumerate(lines, 1) if ".backward()" in line and n in step)
     assert increment in step and increment not in allowed
+    assert grad_norm in step and grad_norm not in allowed, "the gradient norm of every step must not sync"
     assert loop in allowed, "the run contract saves between steps, on the loop's line"
     assert reduce_for_logging in allowed and backward not in allowed
     assert not any("def save" in lines[n - 1] or "def run_eval" in lines[n - 1] for n in step)

@@ -9,7 +9,9 @@ per job, and nothing inside a run is searched again (its checkpoints, say).
 
 The table has the recipe, the run's name and folder, every config key whose value differs
 between the selected runs (from ``.hydra/config.yaml``), the final metrics, steps, epochs,
-training time, resumes and world size. It is printed and written as ``runs.csv`` and
+training time, resumes and world size, and from the run's newest ``provenance.jsonl`` record (its
+last segment) the git commit, whether the checkout had changes, the PyTorch version and the
+device (the GPU model, or ``cpu``). It is printed and written as ``runs.csv`` and
 ``runs.md``; ``curves.png`` plots each run's curves from the ``metrics.jsonl`` its logger wrote
 (the training loss and the run's ``checkpoint.best_metric`` unless ``--plot`` names others).
 """
@@ -32,6 +34,7 @@ from omegaconf import OmegaConf
 
 from common.errors import EXIT_USER_ERROR, UserError
 from common.loggers import METRICS_FILE, read_metrics_file
+from common.provenance import read_records
 
 DEFAULT_RUNS = "runs/*/*"
 DEFAULT_OUT = "runs/compare"
@@ -43,6 +46,8 @@ MULTIRUN_FILE = "multirun.yaml"
 # trials of a search set their own checkpoint.dir and logging.dir).
 NOT_COMPARED = {"run_dir", "name", "checkpoint.dir", "logging.dir"}
 SUMMARY_COLUMNS = ("steps", "epochs", "wall_time_s", "resumes", "world_size")
+PROVENANCE_COLUMNS = ("git", "dirty", "torch", "device")
+COMMIT_SHOWN = 10  # characters of a commit in the printed and markdown tables (runs.csv has all)
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Run:
     path: Path
     summary: dict[str, Any]
     config: dict[str, Any]  # flattened: dotted key -> value as written in the config
+    provenance: dict[str, Any] = field(default_factory=dict)  # the newest provenance.jsonl record
     label: str = ""
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
@@ -102,7 +108,8 @@ def load_run(path: Path) -> Run:
     config_path = path / CONFIG_FILE
     config = flatten(OmegaConf.to_container(OmegaConf.load(config_path), resolve=False)) \
         if config_path.is_file() else {}
-    run = Run(path=path, summary=summary, config=config)
+    records = read_records(path)
+    run = Run(path=path, summary=summary, config=config, provenance=records[-1] if records else {})
     metrics_files = sorted(path.rglob(METRICS_FILE))
     if metrics_files:
         run.curves = read_curves(metrics_files[0])
@@ -143,21 +150,32 @@ def metric_names(runs: list[Run], patterns: list[str]) -> list[str]:
     return [name for name in names if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)]
 
 
+def provenance_values(record: dict[str, Any]) -> list[Any]:
+    """:data:`PROVENANCE_COLUMNS` of a run's newest provenance record ("" where unknown)."""
+    if not record:
+        return [""] * len(PROVENANCE_COLUMNS)
+    device = record.get("gpu") or record.get("device")
+    return [record.get("git_commit") or "", "" if record.get("git_dirty") is None else record["git_dirty"],
+            record.get("torch") or "", device or ""]
+
+
 def build_table(runs: list[Run], metric_patterns: list[str]) -> tuple[list[str], list[list[Any]]]:
     """The header and one row per run (plain values; formatting is the writers' job)."""
     keys = differing_keys(runs)
     metrics = metric_names(runs, metric_patterns)
-    header = ["recipe", "name", "run", *keys, *metrics, *SUMMARY_COLUMNS]
+    header = ["recipe", "name", "run", *keys, *metrics, *SUMMARY_COLUMNS, *PROVENANCE_COLUMNS]
     rows = []
     for run in runs:
         config_values = [run.config.get(key, "") for key in keys]
         metric_values = [run.summary.get("metrics", {}).get(name, "") for name in metrics]
         rows.append([run.summary.get("recipe", ""), run.name, run.label, *config_values, *metric_values,
-                     *(run.summary.get(column, "") for column in SUMMARY_COLUMNS)])
+                     *(run.summary.get(column, "") for column in SUMMARY_COLUMNS), *provenance_values(run.provenance)])
     return header, rows
 
 
 def format_value(value: Any, column: str) -> str:
+    if column == "git" and isinstance(value, str):
+        return value[:COMMIT_SHOWN]
     if column == "wall_time_s" and isinstance(value, (int, float)):
         minutes, seconds = divmod(round(value), 60)
         return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"

@@ -243,4 +243,26 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_gpu_check.py::test_a_sync_in_a_helper_is_judged_by_the_frame_that_called_it_from_the_step",),
         "a host sync in a helper that the training step calls passes make gpu-check",
     ),
+    # ---- what a run records (issue 26) -----------------------------------------------------------
+    Mutation(
+        "grad-norm-on-every-step", "common/run.py",
+        "        if not self.grad_clip_norm and (self.progress.step + 1) % self.log_every_steps:\n"
+        "            return None\n",
+        "",
+        ("tests/test_telemetry.py::test_grad_norm_is_logged_without_clipping_and_is_the_clipped_runs_norm_before_"
+         "clipping",),
+        "every step pays for a gradient norm only the logging steps use (on FSDP2, an all-reduce more per step)",
+    ),
+    Mutation(
+        "data-wait-not-timed", "common/telemetry.py",
+        "            self._data_wait += time.perf_counter() - start\n", "",
+        ("tests/test_telemetry.py::test_data_wait_frac_rises_when_the_loader_is_slow",),
+        "train/data_wait_frac says 0 while the GPU starves for data",
+    ),
+    Mutation(
+        "checkpoints-without-provenance", "common/checkpoint.py",
+        "            manifest[\"provenance\"] = provenance\n", "            pass\n",
+        ("tests/test_records.py::test_every_checkpoint_holds_the_record_of_the_segment_that_saved_it",),
+        "a checkpoint folder shipped on its own no longer says which code and machine wrote it",
+    ),
 ]

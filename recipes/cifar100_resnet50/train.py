@@ -140,10 +140,7 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
                         loss = F.cross_entropy(logits.float(), targets, label_smoothing=smoothing)
                     scaler.scale(loss * (len(batch) / group.samples)).backward()
                 train_sums.add(loss=loss.detach() * len(batch), top1=(logits.argmax(1) == y).sum(), count=len(batch))
-            grad_norm = None
-            if cfg.trainer.grad_clip_norm:
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
+            grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)

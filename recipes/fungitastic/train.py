@@ -244,10 +244,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
                 known = {f"count_{level}": (labels[:, column] != metadata.UNKNOWN).sum()
                          for column, level in enumerate(levels)}
                 train_sums.add(loss=loss.detach() * len(labels), count=len(labels), **hits, **known)
-            grad_norm = None
-            if cfg.trainer.grad_clip_norm:
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
+            grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)

@@ -221,10 +221,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
                         scaler.scale(loss * (len(labels) / group.samples)).backward()
                     train_sums.add(loss=loss.detach() * len(labels), top1=(logits.argmax(1) == labels).sum(),
                                    count=len(labels))
-            grad_norm = None
-            if cfg.trainer.grad_clip_norm:
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
+            grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)

@@ -154,10 +154,7 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
                         loss = segmentation_loss(forward(images), masks, cfg.model.aux_weight)
                     scaler.scale(loss * (len(images) / group.samples)).backward()
                 train_sums.add(loss=loss.detach() * len(images), count=len(images))
-            grad_norm = None
-            if cfg.trainer.grad_clip_norm:
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip_norm)
+            grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)

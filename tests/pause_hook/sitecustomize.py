@@ -1,6 +1,7 @@
 """Test-only hooks for runs the tests start: pause a training run right after a chosen checkpoint
 (tests/resume.py), so that a SIGKILL or a stop signal lands exactly there, however fast or loaded
-the machine is; and make a chosen training step non-finite (tests/test_divergence.py).
+the machine is; make a chosen training step non-finite (tests/test_divergence.py); and make one
+run out of memory (tests/test_records.py).
 
 Python imports this module at start-up when its folder (and the repository) is on PYTHONPATH.
 With PAUSE_AT_STEP=<n> and PAUSE_MARKER=<file> set, it patches the checkpoint manager of every
@@ -24,6 +25,9 @@ With NONFINITE_AT_STEP=<k>, the training loss of optimizer step ``k`` (its first
 NONFINITE_HOW=grad, stays finite while its gradient becomes infinite (what fp16 overflow does);
 on rank NONFINITE_RANK only when that is set, and NONFINITE_TIMES times in a process (default 1;
 0: every time the run reaches step ``k``, after a rollback too).
+
+With OOM_AT_STEP=<k>, the first training ``F.cross_entropy`` of optimizer step ``k`` raises
+``torch.OutOfMemoryError`` with CUDA's message, as a GPU that ran out of memory there would.
 """
 
 import os
@@ -153,3 +157,29 @@ if os.environ.get("NONFINITE_AT_STEP"):
         return InfiniteGradient.apply(loss) if NONFINITE_HOW == "grad" else loss * float("nan")
 
     F.cross_entropy = cross_entropy
+
+
+if os.environ.get("OOM_AT_STEP"):
+    import torch
+    import torch.nn.functional as F
+
+    from common.run import TrainingRun
+
+    OOM_AT = int(os.environ["OOM_AT_STEP"])
+    oom_runs: list[TrainingRun] = []
+    real_oom_init = TrainingRun.__init__
+
+    def init_and_note_for_oom(self: TrainingRun, *args: object, **kwargs: object) -> None:
+        real_oom_init(self, *args, **kwargs)
+        oom_runs.append(self)
+
+    TrainingRun.__init__ = init_and_note_for_oom
+    cross_entropy_before_oom = F.cross_entropy
+
+    def cross_entropy_or_oom(*args: object, **kwargs: object) -> torch.Tensor:
+        if oom_runs and torch.is_grad_enabled() and oom_runs[-1].progress.step + 1 == OOM_AT:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                         "capacity of 79.19 GiB of which 1.06 GiB is free.")
+        return cross_entropy_before_oom(*args, **kwargs)
+
+    F.cross_entropy = cross_entropy_or_oom

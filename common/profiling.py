@@ -1,0 +1,175 @@
+"""``profile.*``: what the steps did, on demand, and what filled the GPU when it ran out of memory.
+
+``profile.enabled=true profile.start_step=S profile.active_steps=K`` traces optimizer steps S to
+S+K-1 with ``torch.profiler`` on every rank: ``<run_dir>/profile/rank<r>-step<S>.pt.trace.json.gz``
+(Chrome trace JSON, gzipped: open it in https://ui.perfetto.dev or TensorBoard's profiler), each
+step marked ``ProfilerStep#<step>``. On CUDA, ``profile.memory=true`` also records the
+allocation history of those steps and dumps it as ``rank<r>-step<S>.memory.pickle`` (open it in
+https://pytorch.org/memory_viz). :class:`StepProfiler` is driven by the run contract
+(``common/run.py``) between steps, so recipes need no code for it.
+
+``profile.memory_on_oom=true`` records the allocation history from the start of the process; a
+CUDA out-of-memory error then dumps it (``rank<r>-oom-step<n>.memory.pickle``), and the run ends
+with one line naming the snapshot and the step, and the batch settings to try
+(:func:`out_of_memory_error`). Recording costs some speed and host memory (the last
+:data:`MEMORY_HISTORY_ENTRIES` allocations, with their Python stacks).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.config import ProfileConfig
+from common.distributed import DistInfo
+from common.errors import UserError
+
+PROFILE_DIR = "profile"
+MEMORY_HISTORY_ENTRIES = 100_000
+MEMORY_VIEWER = "https://pytorch.org/memory_viz"
+
+_recording_memory = False  # this process records CUDA allocations (one history per process)
+_current: StepProfiler | None = None  # the process's run, for the step an out-of-memory error names
+
+
+def record_memory_history(device: torch.device) -> bool:
+    """Start recording CUDA allocations (with Python stacks); False (nothing recorded) off CUDA."""
+    global _recording_memory
+    if device.type != "cuda":
+        return False
+    if not _recording_memory:
+        torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=MEMORY_HISTORY_ENTRIES)
+        _recording_memory = True
+    return True
+
+
+def stop_memory_history() -> None:
+    global _recording_memory
+    if _recording_memory:
+        torch.cuda.memory._record_memory_history(enabled=None)
+        _recording_memory = False
+
+
+def dump_memory_snapshot(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.cuda.memory._dump_snapshot(str(path))
+    return path
+
+
+class StepProfiler:
+    """``profile.enabled`` and ``profile.memory`` for one run (see the module): call
+    :meth:`step_starting` before each optimizer step takes its first micro-batch,
+    :meth:`step_finished` after it, and :meth:`close` at the end."""
+
+    def __init__(self, cfg: ProfileConfig, run_dir: str | Path, dist_info: DistInfo,
+                 console: Callable[[str], None], keep_memory_history: bool = False) -> None:
+        global _current
+        if cfg.enabled and (cfg.start_step < 1 or cfg.active_steps < 1):
+            raise UserError(f"profile.start_step ({cfg.start_step}) and profile.active_steps ({cfg.active_steps}) "
+                            f"must be at least 1")
+        self.cfg = cfg
+        self.folder = Path(run_dir) / PROFILE_DIR
+        self.dist_info = dist_info
+        self.console = console
+        self.keep_memory_history = keep_memory_history  # profile.memory_on_oom: recording since the start
+        self.last = cfg.start_step + cfg.active_steps - 1
+        self.step_in_progress: int | None = None
+        self._profiler: torch.profiler.profile | None = None
+        self._step_range: Any = None
+        self._memory = False
+        if cfg.enabled and cfg.memory and dist_info.device.type != "cuda":
+            console(f"profile.memory: no memory snapshot, it records CUDA allocations and this run is on "
+                    f"{dist_info.device.type}")
+        _current = self
+
+    def _name(self, suffix: str) -> Path:
+        return self.folder / f"rank{self.dist_info.rank}-step{self.cfg.start_step}{suffix}"
+
+    def step_starting(self, step: int) -> None:
+        self.step_in_progress = step
+        if not self.cfg.enabled or not self.cfg.start_step <= step <= self.last:
+            return
+        if self._profiler is None:
+            if step != self.cfg.start_step:
+                return  # resumed inside the window: its first steps are gone, so is the trace
+            self._start()
+        self._step_range = torch.profiler.record_function(f"ProfilerStep#{step}")
+        self._step_range.__enter__()
+
+    def _start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.dist_info.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._memory = self.cfg.memory and record_memory_history(self.dist_info.device)
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profiler.start()
+
+    def step_finished(self, step: int) -> None:
+        self.step_in_progress = None
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        if self._profiler is not None and step >= self.last:
+            self.close()
+
+    def close(self) -> None:
+        """Write what a trace window recorded (at its last step, or at the end of a run that stops
+        inside it)."""
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        if self._profiler is None:
+            return
+        self._profiler.stop()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        trace = self._name(".pt.trace.json.gz")
+        self._profiler.export_chrome_trace(str(trace))
+        self._profiler = None
+        written = [f"a trace in {trace.parent}/rank<r>-step{self.cfg.start_step}.pt.trace.json.gz per rank "
+                   f"(https://ui.perfetto.dev)"]
+        if self._memory:
+            snapshot = dump_memory_snapshot(self._name(".memory.pickle"))
+            if not self.keep_memory_history:
+                stop_memory_history()
+            written.append(f"a memory snapshot in {snapshot.parent}/rank<r>-step{self.cfg.start_step}"
+                           f".memory.pickle ({MEMORY_VIEWER})")
+            self._memory = False
+        self.console(f"profile of optimizer steps {self.cfg.start_step}-{self.last}: " + "; ".join(written))
+
+
+def smaller_batch(batch_size: int, per_rank_global: int) -> int | None:
+    """The largest micro-batch below ``batch_size`` that divides ``per_rank_global`` (the global
+    batch per rank), so accumulation keeps the global batch; None when there is none."""
+    return next((size for size in range(batch_size - 1, 0, -1) if per_rank_global % size == 0), None)
+
+
+def out_of_memory_error(error: torch.OutOfMemoryError, run_dir: str | Path, dist_info: DistInfo,
+                        batch_size: int, global_batch_size: int) -> UserError:
+    """The one-line error an out-of-memory error in the loop becomes: where it happened, the
+    memory snapshot (dumped now when ``profile.memory_on_oom`` recorded the history), and a
+    smaller ``trainer.batch_size`` with ``trainer.global_batch_size`` kept."""
+    global_batch = global_batch_size or batch_size * dist_info.world_size
+    step = _current.step_in_progress if _current is not None else None
+    where = f"in optimizer step {step}" if step is not None else "outside a training step"
+    cause = re.search(r"Tried to allocate [\d.]+ \w+", str(error))
+    line = (f"out of {dist_info.device.type.upper()} memory {where} on rank {dist_info.rank} "
+            f"({socket.gethostname()}){f' ({cause.group(0)})' if cause else ''}")
+    if _recording_memory:
+        name = f"rank{dist_info.rank}-oom-step{step}.memory.pickle" if step is not None else \
+            f"rank{dist_info.rank}-oom.memory.pickle"
+        snapshot = dump_memory_snapshot(Path(run_dir) / PROFILE_DIR / name)
+        line += f"; memory snapshot: {snapshot} ({MEMORY_VIEWER})"
+    elif dist_info.device.type == "cuda":
+        line += "; profile.memory_on_oom=true would save a memory snapshot of it"
+    smaller = smaller_batch(batch_size, global_batch // dist_info.world_size)
+    if smaller is not None:
+        line += (f"; try trainer.batch_size={smaller} trainer.global_batch_size={global_batch} (gradient "
+                 f"accumulation keeps the global batch)")
+    else:
+        line += f"; trainer.batch_size={batch_size} is the smallest micro-batch for the global batch {global_batch}"
+    return UserError(line)

@@ -1,0 +1,268 @@
+"""What each segment of a run ran: the code, the command, the software and the machines.
+
+A run that is pre-empted and resumed is trained by several processes (jobs, ISC cycles), each a
+*segment*, possibly on other machines or another checkout. Every start and every resume appends
+one JSON record to ``<run_dir>/provenance.jsonl`` (written by rank 0, with what every rank
+reported: its host), and every checkpoint the segment saves holds the same record in its
+manifest, so a checkpoint folder on its own says what wrote it. The record holds the git commit
+and whether the checkout was dirty (then the diff is saved once per segment as
+``provenance/segment-<n>.diff``), the command line and Hydra overrides, the Python, PyTorch, CUDA,
+cuDNN and NCCL versions, the GPU model, count and driver, the CPU model, every rank's host, the
+SLURM job ids or the ISC's experiment variables, the start time, and the hash of the installed
+packages (``pip freeze``'s list, saved once per distinct environment as
+``provenance/env-<hash>.txt``).
+
+Git must never fail or hang a run: every call has a deadline, and a missing ``git``, a folder
+that is not a checkout (a copied recipe) or a refusal (a checkout owned by another user) leaves
+``git_commit`` null with a ``git_note`` saying why.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import distributed, jsonfiles
+from common.distributed import DistInfo
+
+PROVENANCE_FILE = "provenance.jsonl"
+PROVENANCE_DIR = "provenance"
+CODE_DIR = Path(__file__).resolve().parents[1]  # the checkout whose code runs
+GIT_TIMEOUT_S = 10.0  # for all of a segment's git calls together
+SLURM_VARIABLES = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
+                   "array_task_id": "SLURM_ARRAY_TASK_ID", "restart_count": "SLURM_RESTART_COUNT"}
+# What the Strong Compute ISC sets for an experiment (cluster/README.md; EXPERIMENT_ID as in its isc-demos).
+ISC_VARIABLES = {"experiment_id": "EXPERIMENT_ID", "checkpoint_artifact_path": "CHECKPOINT_ARTIFACT_PATH",
+                 "lossy_artifact_path": "LOSSY_ARTIFACT_PATH"}
+# What a bit-identical resume needs unchanged (trainer.deterministic; see README "When a resumed run is bit-identical").
+BIT_IDENTITY_FIELDS = ("device", "gpu", "driver", "torch", "cuda", "cudnn")
+UNTRACKED_LISTED = 20  # untracked files named in a record, at most
+
+
+@dataclass(frozen=True)
+class GitState:
+    """A checkout's commit and changes; ``commit`` is None (and ``note`` says why) when unknown."""
+
+    commit: str | None
+    dirty: bool | None
+    diff: bytes = b""  # ``git diff HEAD --binary``: the changes to tracked files
+    untracked: list[str] = field(default_factory=list)  # files git does not track and does not ignore
+    note: str | None = None
+
+
+def git_state(folder: Path = CODE_DIR, timeout_s: float = GIT_TIMEOUT_S) -> GitState:
+    """The commit of the checkout holding ``folder``, whether it has changes, and what they are.
+    Never raises and never takes much longer than ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0"}  # read only: no index lock
+
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, check=True, env=env,
+                              stdin=subprocess.DEVNULL, timeout=max(0.1, deadline - time.monotonic())).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").decode().strip()
+        status = git("status", "--porcelain").decode(errors="replace").splitlines()
+        diff = git("diff", "HEAD", "--binary") if status else b""
+    except FileNotFoundError:
+        return GitState(None, None, note="git is not installed: the code's version is unknown")
+    except subprocess.TimeoutExpired:
+        return GitState(None, None, note=f"git did not answer within {timeout_s:g} s: the code's version is unknown")
+    except (subprocess.CalledProcessError, OSError) as error:
+        stderr = getattr(error, "stderr", b"") or b""
+        message = stderr.decode(errors="replace").strip().splitlines()
+        if message and "not a git repository" in message[0]:
+            return GitState(None, None, note=f"{folder} is not a git checkout (a copied recipe?): the code's "
+                                             f"version is unknown")
+        return GitState(None, None, note=f"git failed: {message[0] if message else error}")
+    untracked = [line[3:] for line in status if line.startswith("?? ")]
+    return GitState(commit, bool(status), diff, untracked)
+
+
+def installed_packages() -> str:
+    """``pip freeze``'s list (``name==version`` per line, sorted), read with ``importlib.metadata``
+    in this process: the same packages, without starting pip (about half a second)."""
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():  # in sys.path order: the one Python imports comes first
+        name = dist.metadata["Name"]
+        if name:
+            found.setdefault(re.sub(r"[-_.]+", "-", name).lower(), f"{name}=={dist.version}")
+    return "".join(f"{line}\n" for _, line in sorted(found.items()))
+
+
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version, from the kernel module (no nvidia-smi needed), else NVML; None
+    when neither says."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+        match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+        if match:
+            return match.group(1)
+    except OSError:
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001 (NVML missing or failing: the field is then unknown)
+        return None
+
+
+def nccl_version() -> str | None:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 (a build without NCCL)
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """Software and hardware as this process sees them; the GPU fields are null on a CPU run."""
+    cuda = device.type == "cuda"
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "nccl": nccl_version() if cuda else None,
+        "device": device.type,
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else None,
+        "driver": driver_version() if cuda else None,
+        "cpu": cpu_model(),
+    }
+
+
+def variables(names: dict[str, str]) -> dict[str, str] | None:
+    """The set ones among ``names`` (record key -> environment variable); None when none is."""
+    found = {key: os.environ[name] for key, name in names.items() if os.environ.get(name)}
+    return found or None
+
+
+def hydra_overrides() -> list[str] | None:
+    """The overrides Hydra composed this run's config with (None outside a Hydra run)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+
+
+def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``provenance.jsonl``, oldest first; a line cut short by a kill is left out."""
+    path = Path(run_dir) / PROVENANCE_FILE
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def _write_once(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` unless it is there already (written whole: a temporary file renamed)."""
+    if path.is_file():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def append_record(run_dir: str | Path, record: dict[str, Any]) -> Path:
+    """Append ``record`` to ``provenance.jsonl`` as one line (after a line a kill cut short, on a new one)."""
+    path = Path(run_dir) / PROVENANCE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        start = b""
+        if handle.tell() > 0:
+            handle.seek(-1, os.SEEK_END)
+            start = b"" if handle.read(1) == b"\n" else b"\n"
+        handle.write(start + (jsonfiles.dumps(record) + "\n").encode())
+    return path
+
+
+def segment_record(run_dir: str | Path, dist_info: DistInfo,
+                   resumed_from: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Record this segment (see the module): on rank 0, append it to ``provenance.jsonl``, save
+    the diff and the package list beside it, and return it; None on the other ranks.
+    Collective: every rank reports its host (after rank 0's git calls, so the ranks leave together)."""
+    record = _this_segment(Path(run_dir), dist_info, resumed_from) if dist_info.is_main else None
+    hosts = distributed.all_gather_object(socket.gethostname())
+    if record is None:
+        return None
+    record["hosts"] = hosts
+    append_record(run_dir, record)
+    return record
+
+
+def _this_segment(run_dir: Path, dist_info: DistInfo, resumed_from: dict[str, Any] | None) -> dict[str, Any]:
+    """The record of this segment, but its hosts; the diff and the package list written beside it."""
+    segment = len(read_records(run_dir))
+    git = git_state()
+    diff_file = None
+    if git.diff:
+        diff_file = f"{PROVENANCE_DIR}/segment-{segment}.diff"
+        _write_once(run_dir / diff_file, git.diff)
+    packages = installed_packages()
+    packages_hash = hashlib.sha256(packages.encode()).hexdigest()[:16]
+    packages_file = f"{PROVENANCE_DIR}/env-{packages_hash}.txt"
+    _write_once(run_dir / packages_file, packages.encode())
+    return {
+        "segment": segment,
+        "start_time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "resumed_from": resumed_from,
+        "git_commit": git.commit,
+        "git_dirty": git.dirty,
+        "git_diff": diff_file,
+        "git_untracked": git.untracked[:UNTRACKED_LISTED],
+        **({"git_note": git.note} if git.note else {}),
+        "command": list(sys.orig_argv),  # the interpreter, its options (-m recipes.<r>.train) and the arguments
+        "overrides": hydra_overrides(),
+        **machine(dist_info.device),
+        "world_size": dist_info.world_size,
+        "hosts": None,
+        "slurm": variables(SLURM_VARIABLES),
+        "isc": variables(ISC_VARIABLES),
+        "packages": packages_file,
+        "packages_hash": packages_hash,
+    }
+
+
+def bit_identity_differences(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """What differs, of what a bit-identical resume needs (:data:`BIT_IDENTITY_FIELDS`), between
+    the segment that wrote a checkpoint (``saved``; None: a checkpoint older than these records)
+    and this one: ``["gpu NVIDIA A100-SXM4-80GB (now NVIDIA H100 80GB HBM3)", ...]``."""
+    if not saved:
+        return []
+    return [f"{name} {saved.get(name)} (now {current.get(name)})" for name in BIT_IDENTITY_FIELDS
+            if saved.get(name) != current.get(name)]

@@ -1,0 +1,184 @@
+"""What every training log reports beside the recipe's own metrics, measured by the run contract.
+
+``common/run.py`` adds these to each :meth:`~common.run.TrainingRun.log_train`, so every recipe
+logs them (console line, TensorBoard or W&B, ``metrics.jsonl``) without code in its loop:
+
+* ``train/step_s``: wall time per optimizer step since the last log, checkpoint saves and
+  evaluations left out (``train/images_per_s`` keeps them: it is the run's throughput);
+* ``train/data_wait_frac``: the share of that time the loop waited for its next micro-batch
+  (measured where :meth:`~common.run.TrainingRun.steps` pulls micro-batches from the loader);
+* ``train/grad_norm``: the total gradient norm of the logging step, before clipping
+  (:func:`clip_grad_norm`; FSDP2's sharded gradients give the whole model's norm);
+* ``train/max_mem_gib``: the peak device memory allocated since the last log, the largest of the
+  ranks' (CUDA only);
+* ``train/mfu``: model FLOPs utilisation, the model's FLOPs per sample (counted once, on a whole
+  optimizer step, with ``torch.utils.flop_counter``) times the samples trained per second, over
+  the device's dense peak for the run's precision (:data:`PEAK_TFLOPS`); left out where the peak
+  is unknown (a CPU, a GPU not in the table);
+* ``train/step_s_max_rank`` and ``train/step_s_slowest_rank`` (several ranks): the slowest rank's
+  time per step up to the end of its logging step, and which rank it is. The log itself
+  synchronises the ranks (and so hides who made the others wait): it is left out here.
+
+Everything is measured with the host's clock (``time.perf_counter``) and added up between logs;
+values are read from the device and gathered across ranks only in :meth:`StepTelemetry.report`,
+on logging steps, where the loop already waits for the device. Other steps make no host sync and
+no collective call (``benchmarks/gpu_check.py`` traces the syncs on CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+# Dense (no sparsity) tensor-core peaks from NVIDIA's data sheets, in TFLOP/s per GPU: bf16 (fp16 the
+# same), tf32 (fp32 matmuls when TF32 is on: trainer.deterministic=false on CUDA) and plain fp32.
+# The first pattern that matches torch.cuda.get_device_name() wins: the more specific ones first.
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    (r"H100 NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    (r"H100 PCIe", {"bf16": 756.5, "tf32": 378.0, "fp32": 51.2}),
+    (r"H100|GH200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),  # SXM ("NVIDIA H100 80GB HBM3")
+    (r"H200 NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    (r"H200", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    (r"A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"L40S", {"bf16": 362.1, "tf32": 183.0, "fp32": 91.6}),
+    (r"\bL4\b", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (r"\bA10\b", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+)
+
+
+def peak_tflops(device_name: str, precision: str, tf32: bool) -> float | None:
+    """The dense peak of the GPU named ``device_name`` for training in ``precision`` (``fp32``,
+    ``bf16`` or ``fp16``; fp32 matmuls on TF32 tensor cores when ``tf32``); None when unknown."""
+    kind = "bf16" if precision in ("bf16", "fp16") else "tf32" if tf32 else "fp32"
+    return next((peaks[kind] for pattern, peaks in PEAK_TFLOPS if re.search(pattern, device_name)), None)
+
+
+def device_peak_flops(device: torch.device, precision: str) -> float | None:
+    """FLOP/s of ``device`` at its dense peak for ``precision`` (None on a CPU or an unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    peak = peak_tflops(torch.cuda.get_device_name(device), precision, torch.backends.cuda.matmul.allow_tf32)
+    return None if peak is None else peak * 1e12
+
+
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The total (2-)norm of the parameters' gradients before clipping; with ``max_norm > 0`` the
+    gradients are clipped to it (``torch.nn.utils.clip_grad_norm_``). Gradients that are
+    DTensors (FSDP2's shards) give the whole model's norm, as a DTensor (:func:`as_float` reads
+    it). No host sync."""
+    parameters = list(parameters)
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+
+
+def as_float(value: torch.Tensor) -> float:
+    """A scalar tensor's value on the host (a DTensor's whole value: collective for a sharded one)."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
+
+
+class FlopCount:
+    """The FLOPs the loop runs between :meth:`start` and :meth:`stop` (matmuls, convolutions,
+    attention; forward and backward), counted by ``torch.utils.flop_counter.FlopCounterMode``.
+    The operations run as they would without it (a ``torch.compile``d module runs eager while it
+    counts)."""
+
+    def __init__(self) -> None:
+        self._counter = FlopCounterMode(display=False)
+        # Its module hooks are global: torch.compile warns that they fire twice, which changes no count.
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        self._counter.__enter__()
+
+    def stop(self) -> float:
+        self._counter.__exit__(None, None, None)
+        self._warnings.__exit__(None, None, None)
+        return float(self._counter.get_total_flops())
+
+
+class StepTelemetry:
+    """One rank's measurements since the last log (see the module), and their report."""
+
+    def __init__(self, device: torch.device, precision: str) -> None:
+        self.device = device
+        self.peak_flops = device_peak_flops(device, precision)
+        self.grad_norm: torch.Tensor | None = None  # of the last step, where it was computed
+        self.start_window()
+
+    def start_window(self) -> None:
+        """Start measuring anew (at the start of a segment, after each log, after a rollback)."""
+        self._start = self._step_end = time.perf_counter()
+        self._excluded = 0.0  # checkpoint saves and evaluations
+        self._data_wait = 0.0
+        self.steps = 0
+        self.samples = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def batches(self, micro_batches: Iterable[Any]) -> Iterator[Any]:
+        """``micro_batches``, timing how long each takes to come."""
+        source = iter(micro_batches)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(source)
+            except StopIteration:
+                return
+            self._data_wait += time.perf_counter() - start
+            yield batch
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Time that is not training steps (a checkpoint save, an evaluation)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._excluded += time.perf_counter() - start
+
+    def step_done(self, samples: int, grad_norm: torch.Tensor | None) -> None:
+        self.steps += 1
+        self.samples += samples
+        self.grad_norm = grad_norm
+        self._step_end = time.perf_counter()
+
+    def report(self, world_size: int, flops_per_sample: float | None,
+               group: dist.ProcessGroup | None) -> dict[str, float]:
+        """The metrics of the steps since the last log (see the module) and a new window. On several
+        ranks it gathers each rank's figures over ``group`` (host tensors): collective."""
+        now = time.perf_counter()
+        elapsed = now - self._start
+        training = max(elapsed - self._excluded, 1e-9)
+        steps = max(self.steps, 1)
+        metrics = {"train/images_per_s": self.samples * world_size / max(elapsed, 1e-9),
+                   "train/step_s": training / steps, "train/data_wait_frac": self._data_wait / training}
+        if self.grad_norm is not None:
+            metrics["train/grad_norm"] = as_float(self.grad_norm)
+        if self.peak_flops is not None and flops_per_sample is not None:
+            metrics["train/mfu"] = flops_per_sample * self.samples / training / self.peak_flops
+        memory = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        own_step_s = max(self._step_end - self._start - self._excluded, 0.0) / steps
+        if world_size > 1:
+            mine = torch.tensor([own_step_s, -1.0 if memory is None else memory], dtype=torch.float64)
+            gathered = [torch.empty_like(mine) for _ in range(world_size)]
+            dist.all_gather(gathered, mine, group=group)
+            step_times = [float(row[0]) for row in gathered]
+            slowest = max(range(world_size), key=step_times.__getitem__)
+            metrics["train/step_s_max_rank"] = step_times[slowest]
+            metrics["train/step_s_slowest_rank"] = float(slowest)
+            memory = None if memory is None else max(float(row[1]) for row in gathered)
+        if memory is not None:
+            metrics["train/max_mem_gib"] = memory
+        self.start_window()
+        return metrics
