@@ -427,7 +427,7 @@ class CheckpointManager:
         self._best_value: float | None = None
         # Background shard writes agree over a gloo group of their own: their collectives run in
         # another thread than the training loop's, and must not interleave with them.
-        self._shard_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self._shard_group = distributed.gloo_group() if async_save and dist.is_initialized() else None
         next_index = None
         if self.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common import distributed
+from common import distributed, heartbeat
 from common.checkpoint import (
     KEEP_ALL,
     CheckpointManager,
@@ -149,7 +149,7 @@ def host_group() -> dist.ProcessGroup | None:
     ``cpu:gloo,cuda:nccl``), else a gloo group made for it. Collective: every rank calls it."""
     if "gloo" in dist.get_backend():
         return None
-    return dist.new_group(backend="gloo")
+    return distributed.gloo_group()
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,8 @@ class CheckpointCadence:
         if self.distributed:
             mine = torch.tensor(rows[0], dtype=torch.float64)
             gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, mine, group=self.group)
+            with heartbeat.phase(heartbeat.CADENCE):
+                dist.all_gather(gathered, mine, group=self.group)
             rows = [row.tolist() for row in gathered]
         due, stop = any(row[0] > 0 for row in rows), any(row[1] > 0 for row in rows)
         bad = {rank: int(row[2]) for rank, row in enumerate(rows) if row[2] != NONE}
@@ -275,8 +276,8 @@ class TrainingRun:
         self.resume_from_checkpoint = resume_from_checkpoint
         self.eval_every_epochs = eval_every_epochs
         self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.optimizer = None
+        self.track_optimizer(optimizer, scheduler)
         self.scaler = scaler
         self.sampler = sampler
         self.train_sums = train_sums
@@ -336,7 +337,8 @@ class TrainingRun:
         optimizer step would read them back to the host). Collective."""
         sharded_model = None
         if self.resume_from_checkpoint:
-            self.loaded, sharded_model = self._load_latest()
+            with heartbeat.phase(heartbeat.LOAD):
+                self.loaded, sharded_model = self._load_latest()
         initialized = None
         if self.loaded is None:
             self.sampler.set_epoch(0)
@@ -420,6 +422,7 @@ class TrainingRun:
         saved = {name: value for name, value in state["progress"].items() if name in PROGRESS_FIELDS}
         self.progress = Progress(**saved)  # (checkpoints of earlier versions hold a counter no longer kept)
         self.progress.resumes += 1
+        heartbeat.at_step(self.progress.step)
 
     def _restore_optimizer(self, loaded: LoadedCheckpoint) -> None:
         if self.sharded:
@@ -436,10 +439,13 @@ class TrainingRun:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(loaded.state["scheduler"])
 
-    def track_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any, restore: bool = False) -> None:
-        """Save ``optimizer`` and ``scheduler`` from now on, in place of the ones tracked so far.
-        ``restore``: they are the ones the checkpoint resumed from was saved with (a recipe that
-        chooses its optimizer by the progress :meth:`resume` returned): load their state."""
+    def track_optimizer(self, optimizer: torch.optim.Optimizer | None, scheduler: Any, restore: bool = False) -> None:
+        """Save ``optimizer`` and ``scheduler`` from now on, in place of the ones tracked so far (its
+        steps are marked in the heartbeat). ``restore``: they are the ones the checkpoint resumed
+        from was saved with (a recipe that chooses its optimizer by the progress :meth:`resume`
+        returned): load their state."""
+        if optimizer is not None and optimizer is not self.optimizer:
+            optimizer.register_step_pre_hook(lambda *_: heartbeat.enter(heartbeat.OPTIMIZER))
         self.optimizer, self.scheduler = optimizer, scheduler
         if restore and self.loaded is not None:
             self._restore_optimizer(self.loaded)
@@ -490,6 +496,8 @@ class TrainingRun:
         scaler's to handle (it skips that step and lowers its scale), so it is not watched there."""
         self.sampler.advance(samples)
         self.progress.step += 1
+        heartbeat.at_step(self.progress.step)
+        heartbeat.enter(heartbeat.AFTER_STEP)
         scaler_skips = self.scaler is not None and self.scaler.is_enabled()
         self.watch.observe(self.progress.step, self.train_sums.running("loss"), None if scaler_skips else grad_norm)
         self._samples_since_log += samples
@@ -532,11 +540,16 @@ class TrainingRun:
         self.sampler.set_epoch(self.progress.epoch)
         if self.training_done():
             return
-        metrics = evaluate() if self.progress.epoch % self.eval_every_epochs == 0 else None
+        metrics = self._evaluate(evaluate) if self.progress.epoch % self.eval_every_epochs == 0 else None
         if metrics is not None:
             self._count_improvement(metrics, may_stop=True)
         if not self.progress.stopped_early:
             self.save(metrics, milestone=self.milestones.get(self.progress.epoch))
+
+    @staticmethod
+    def _evaluate(evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        with heartbeat.phase(heartbeat.EVALUATION):
+            return evaluate()
 
     def _count_improvement(self, metrics: dict[str, float], may_stop: bool) -> None:
         """Early stopping: count this evaluation as one without improvement unless it beats the
@@ -568,7 +581,8 @@ class TrainingRun:
         shows it). Collective; it waits for the device, as the save it precedes does. True when
         finite. Otherwise, with ``trainer.nonfinite=rollback`` and rollbacks left, go back to the
         last finite checkpoint and return False; else stop the run (:class:`Diverged`)."""
-        seen = distributed.all_gather_object((self.watch.settle(), self._state_finite()))
+        with heartbeat.phase(heartbeat.FINITE_CHECK):
+            seen = distributed.all_gather_object((self.watch.settle(), self._state_finite()))
         watched = {rank: step for rank, (step, _) in enumerate(seen) if step != NONE}
         if watched:  # where a loss or gradient went non-finite first, not the weights that followed
             nonfinite_step = min(watched.values())
@@ -599,7 +613,8 @@ class TrainingRun:
         detected_at, kept = self.progress.step, self.progress
         seconds = kept.train_seconds + time.monotonic() - self._clock
         self.checkpoints.wait()
-        loaded, sharded_model = self._load_latest()
+        with heartbeat.phase(heartbeat.LOAD):
+            loaded, sharded_model = self._load_latest()
         if loaded is None:
             return False
         self.loaded = loaded
@@ -650,6 +665,10 @@ class TrainingRun:
 
     def save(self, metrics: dict[str, float] | None = None, milestone: str | None = None) -> None:
         """Checkpoint everything now (collective: every rank calls it)."""
+        with heartbeat.phase(heartbeat.SAVE):
+            self._save(metrics, milestone)
+
+    def _save(self, metrics: dict[str, float] | None, milestone: str | None) -> None:
         now = time.monotonic()
         self.progress.train_seconds += now - self._clock
         self._clock = now
@@ -693,7 +712,7 @@ class TrainingRun:
         if self.progress.finished:
             metrics = self.loaded.metrics
         else:
-            metrics = evaluate()
+            metrics = self._evaluate(evaluate)
             if not self.progress.stopped_early:
                 self._count_improvement(metrics, may_stop=False)
             self.progress.finished = True

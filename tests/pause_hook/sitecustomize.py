@@ -24,6 +24,12 @@ With NONFINITE_AT_STEP=<k>, the training loss of optimizer step ``k`` (its first
 NONFINITE_HOW=grad, stays finite while its gradient becomes infinite (what fp16 overflow does);
 on rank NONFINITE_RANK only when that is set, and NONFINITE_TIMES times in a process (default 1;
 0: every time the run reaches step ``k``, after a rollback too).
+
+With STALL_AT_STEP=<k>, rank STALL_RANK (default 1) never finishes optimizer step ``k``: its first
+training ``F.cross_entropy`` there calls :func:`stall_in_step`, which sleeps for ever (in Python, so
+that its threads and signal handlers run) or, with STALL_HOW=freeze, stops the whole process
+(SIGSTOP: not even its heartbeat thread runs) a second later, once its heartbeat has recorded where
+it is; meanwhile the other ranks wait in the step's collectives (tests/test_hangs.py).
 """
 
 import os
@@ -153,3 +159,44 @@ if os.environ.get("NONFINITE_AT_STEP"):
         return InfiniteGradient.apply(loss) if NONFINITE_HOW == "grad" else loss * float("nan")
 
     F.cross_entropy = cross_entropy
+
+
+if os.environ.get("STALL_AT_STEP"):
+    import signal
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from common.run import TrainingRun
+
+    STALL_AT = int(os.environ["STALL_AT_STEP"])
+    STALL_RANK = int(os.environ.get("STALL_RANK", "1"))
+    FREEZE = os.environ.get("STALL_HOW") == "freeze"
+    stalling_runs: list[TrainingRun] = []
+
+    def stall_in_step() -> None:
+        """Never return: the frame the stalled rank's stacks must show."""
+        if FREEZE:
+            time.sleep(1)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        while True:
+            time.sleep(0.05)
+
+    real_stall_init = TrainingRun.__init__
+
+    def init_and_note_for_stall(self: TrainingRun, *args: object, **kwargs: object) -> None:
+        real_stall_init(self, *args, **kwargs)
+        stalling_runs.append(self)
+
+    TrainingRun.__init__ = init_and_note_for_stall
+    cross_entropy_before_stall = F.cross_entropy
+
+    def cross_entropy_or_stall(*args: object, **kwargs: object) -> torch.Tensor:
+        run = stalling_runs[-1] if stalling_runs else None
+        if (run is not None and torch.is_grad_enabled() and run.dist_info.rank == STALL_RANK
+                and run.progress.step + 1 == STALL_AT):
+            stall_in_step()
+        return cross_entropy_before_stall(*args, **kwargs)
+
+    F.cross_entropy = cross_entropy_or_stall
