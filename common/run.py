@@ -37,6 +37,10 @@ position inside the epoch, every rank's RNG states and partial metric sums, and 
 counters; its manifest holds the run's config. Restarting a finished run only rewrites its
 summary; restarting it with more epochs or steps goes on training.
 
+With ``trainer.compile=true`` a :class:`~common.compile_cache.CompileCache` points Inductor at
+a local cache folder, attaches that folder to every checkpoint and unpacks it from the checkpoint
+a run resumes from, so that a resumed segment does not compile again.
+
 Two more things every recipe gets here. ``init_from=<run | checkpoint | export>`` starts a new
 run from another run's weights (``common/init_from.py``), with a fresh optimizer, schedule and
 sampler; a run that resumes its own checkpoint ignores it. ``trainer.early_stopping_patience``
@@ -67,6 +71,7 @@ from common.checkpoint import (
     is_artifact_path,
     latest_checkpoint,
 )
+from common.compile_cache import CompileCache
 from common.config import RunConfig, config_record
 from common.distributed import DistInfo
 from common.divergence import NONE, NonfiniteWatch, all_finite, scale_learning_rate
@@ -233,7 +238,8 @@ class TrainingRun:
     hands it over with :meth:`track_optimizer`. ``config`` (the run's config as plain data) is
     written into every checkpoint's manifest; ``model_cfg`` (its ``model`` node) tells
     ``init_from`` how this recipe names its tensors; ``init_from``, ``init_skip_head`` and
-    ``early_stopping_patience``: see the module.
+    ``early_stopping_patience``: see the module. ``compile_cache`` (with ``trainer.compile``) is
+    saved with every checkpoint and restored on resume.
     """
 
     def __init__(
@@ -265,6 +271,7 @@ class TrainingRun:
         nonfinite: str = "stop",
         rollback_lr_factor: float = 1.0,
         max_rollbacks: int = 0,
+        compile_cache: CompileCache | None = None,
     ) -> None:
         self.dist_info = dist_info
         self.plan = plan
@@ -292,6 +299,7 @@ class TrainingRun:
         self.nonfinite = nonfinite
         self.rollback_lr_factor = rollback_lr_factor
         self.max_rollbacks = max_rollbacks
+        self.compile_cache = compile_cache
         self.watch = NonfiniteWatch(dist_info.device)
         self.progress = Progress()
         self.logger: RunLogger | None = None
@@ -320,13 +328,14 @@ class TrainingRun:
         cadence = CheckpointCadence(checkpoint.every_steps, checkpoint.every_seconds, checkpoint.sync_every_steps,
                                     StopSignals())
         open_logger = functools.partial(RunLogger.from_config, cfg, dist_info.is_main)
+        compile_cache = CompileCache.for_run(cfg.recipe, dist_info.device) if cfg.trainer.compile else None
         return cls(dist_info, plan, checkpoints, cadence, open_logger, recipe=cfg.recipe, run_dir=cfg.run_dir,
                    resume_from_checkpoint=checkpoint.resume, eval_every_epochs=cfg.trainer.eval_every_epochs,
                    config=config_record(cfg), model_cfg=cfg.model,
                    init_from=cfg.init_from,
                    init_skip_head=cfg.init_skip_head, early_stopping_patience=cfg.trainer.early_stopping_patience,
                    nonfinite=cfg.trainer.nonfinite.value, rollback_lr_factor=cfg.trainer.rollback_lr_factor,
-                   max_rollbacks=cfg.trainer.max_rollbacks, **objects)
+                   max_rollbacks=cfg.trainer.max_rollbacks, compile_cache=compile_cache, **objects)
 
     # ---- resume ---------------------------------------------------------------------------------
 
@@ -356,6 +365,8 @@ class TrainingRun:
         self.logger = self.open_logger(self.progress.step)
         if self.loaded is not None:
             self.console(f"resumed from {self.loaded.path} ({self.progress.describe()})")
+            if self.compile_cache is not None:
+                self.console(self.compile_cache.restore(self.loaded))
             if self.init_from:
                 self.console(f"init_from={self.init_from} ignored: the run resumed from its own checkpoint")
         if initialized is not None:
@@ -678,8 +689,10 @@ class TrainingRun:
 
             model_shards, optimizer_shards = get_state_dict(self.model, self.optimizer)
             sharded_state = {"model": model_shards, "optimizer": optimizer_shards}
+        compiled = self.compile_cache.attachment() if self.compile_cache is not None and self.dist_info.is_main \
+            else None
         self.checkpoints.save(self.progress.step, self._capture(), metrics, sharded_state=sharded_state,
-                              milestone=milestone, config=self.config)
+                              milestone=milestone, config=self.config, attachments=(compiled,) if compiled else ())
         self.cadence.saved()
 
     def _capture(self) -> dict[str, Any]:

@@ -30,6 +30,10 @@ training ``F.cross_entropy`` there calls :func:`stall_in_step`, which sleeps for
 that its threads and signal handlers run) or, with STALL_HOW=freeze, stops the whole process
 (SIGSTOP: not even its heartbeat thread runs) a second later, once its heartbeat has recorded where
 it is; meanwhile the other ranks wait in the step's collectives (tests/test_hangs.py).
+
+With PRINT_COMPILE_COUNTERS=1, a process that compiled prints ``COMPILE_COUNTERS {json}`` when it
+exits: the compiler's counters (``torch._dynamo.utils.counters``; Inductor's FX graph cache hits and
+misses among them) (tests/test_compile_cache.py). Inductor's compile workers print nothing.
 """
 
 import os
@@ -90,11 +94,12 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
 
     real_write = CheckpointManager._write
 
-    def write_with_pause(self: CheckpointManager, tmp: Path, final: Path, state: dict, manifest: dict) -> None:
+    def write_with_pause(self: CheckpointManager, tmp: Path, final: Path, state: dict, manifest: dict,
+                         *args: object) -> None:
         if getattr(self, "_pause_write_of", None) == manifest["step"]:
             writing_paused_step.step = manifest["step"]
         try:
-            real_write(self, tmp, final, state, manifest)
+            real_write(self, tmp, final, state, manifest, *args)
         finally:
             writing_paused_step.step = None
 
@@ -200,3 +205,17 @@ if os.environ.get("STALL_AT_STEP"):
         return cross_entropy_before_stall(*args, **kwargs)
 
     F.cross_entropy = cross_entropy_or_stall
+
+
+if os.environ.get("PRINT_COMPILE_COUNTERS"):
+    import atexit
+    import json
+
+    def print_compile_counters() -> None:
+        from torch._dynamo.utils import counters
+
+        if counters["frames"]:
+            print("COMPILE_COUNTERS " + json.dumps({group: dict(values) for group, values in counters.items()}),
+                  flush=True)
+
+    atexit.register(print_compile_counters)
