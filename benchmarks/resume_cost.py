@@ -12,10 +12,17 @@ checkpoint size of an ImageNet ResNet-50), both on generated data in their real 
 A fresh start (no checkpoint) is measured the same way, so "resume - fresh" is what resuming
 adds. The checkpoint was just written, so it is read from the page cache; a job restarted on
 another node reads it from storage, at that storage's speed.
+
+With ``trainer.compile=true`` (fashion_mnist), every process gets an empty Inductor cache folder
+of its own, as on a node that never ran the job: a cold resume starts from a checkpoint without a
+compile cache (written by an eager run) and compiles; a warm one starts from the checkpoint of a
+compiled run and takes the compiled code from it (``common/compile_cache.py``). Not in ``--quick``:
+a cold compile alone takes about a minute on a CPU.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -26,6 +33,7 @@ from pathlib import Path
 
 from benchmarks.results import Result
 from common.checkpoint import CheckpointManager
+from common.compile_cache import ARCHIVE_FILE, CACHE_DIR_VARIABLE
 from tools.tiny_data import write_cifar100_tarball, write_fashion_mnist
 
 BENCHMARK = "resume cost (process start to end of first step)"
@@ -60,11 +68,12 @@ recipe.main()
 """
 
 
-def seconds_to_first_step(recipe: str, overrides: list[str], exit_after: int) -> float:
+def seconds_to_first_step(recipe: str, overrides: list[str], exit_after: int,
+                          env: dict[str, str] | None = None) -> float:
     started = time.time()
     result = subprocess.run(
         [sys.executable, "-c", PROBE.format(recipe=recipe), str(exit_after), *overrides], cwd=REPO,
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
     )
     for line in result.stdout.splitlines():
         if line.startswith("FIRST_STEP_DONE "):
@@ -103,6 +112,33 @@ def measure(case, repeats: int, workdir: Path) -> dict:
     return {"recipe": recipe, "fresh": fresh, "resumed": resumed, "load": load_seconds, "megabytes": size}
 
 
+def measure_compiled(repeats: int, workdir: Path) -> dict:
+    """Resumed compiled fashion_mnist runs, cold and warm (see the module), each process with an
+    empty Inductor cache of its own."""
+    recipe, overrides = fashion_mnist_case(workdir)
+    common = [*overrides, "logging.backend=none", "logging.progress_bar=false", "checkpoint.every_steps=1",
+              "checkpoint.every_seconds=0"]
+    caches = itertools.count()
+
+    def empty_cache() -> dict[str, str]:
+        return {CACHE_DIR_VARIABLE: str(workdir / f"inductor-{next(caches)}")}
+
+    cold, warm = [], []
+    for attempt in range(repeats):  # alternating, so both see the same machine
+        eager_dir = f"run_dir={workdir / f'eager-{attempt}'}"
+        compiled_dir = f"run_dir={workdir / f'compiled-{attempt}'}"
+        seconds_to_first_step(recipe, [*common, eager_dir], exit_after=2, env=empty_cache())
+        cold.append(seconds_to_first_step(recipe, [*common, eager_dir, "trainer.compile=true"], exit_after=1,
+                                          env=empty_cache()))
+        seconds_to_first_step(recipe, [*common, compiled_dir, "trainer.compile=true"], exit_after=2, env=empty_cache())
+        warm.append(seconds_to_first_step(recipe, [*common, compiled_dir, "trainer.compile=true"], exit_after=1,
+                                          env=empty_cache()))
+    loaded = CheckpointManager(workdir / "compiled-0" / "checkpoints").load_latest()
+    if loaded is None or ARCHIVE_FILE not in loaded.attachments:
+        raise RuntimeError("the compiled run's checkpoint holds no compile cache")
+    return {"cold": cold, "warm": warm, "megabytes": loaded.attachments[ARCHIVE_FILE]["size"] / 2**20}
+
+
 def run(quick: bool) -> list[Result]:
     repeats = 2 if quick else 5
     results = []
@@ -119,4 +155,18 @@ def run(quick: bool) -> list[Result]:
             Result(BENCHMARK, f"{recipe}: CheckpointManager.load_latest", figures["load"], "s",
                    "in this process: sha256 verification and torch.load, from the page cache"),
         ]
+    if quick:  # a cold compile alone takes about a minute on a CPU
+        return results
+    compiled_repeats = 3
+    with tempfile.TemporaryDirectory() as workdir:
+        figures = measure_compiled(compiled_repeats, Path(workdir))
+    cold, warm = min(figures["cold"]), min(figures["warm"])
+    runs = f"best of {compiled_repeats} processes, each with an empty Inductor cache"
+    results += [
+        Result(BENCHMARK, "fashion_mnist, trainer.compile=true: resume, cold", cold, "s",
+               f"checkpoint without a compile cache: compiles; {runs}"),
+        Result(BENCHMARK, "fashion_mnist, trainer.compile=true: resume, warm", warm, "s",
+               f"compiled code from the checkpoint's {figures['megabytes']:.1f} MiB compile_cache.tar; {runs}"),
+        Result(BENCHMARK, "fashion_mnist, trainer.compile=true: cold / warm", cold / warm, "x", "goal >= 3"),
+    ]
     return results

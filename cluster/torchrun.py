@@ -14,6 +14,10 @@ it reports when the workers end:
   process; when every worker that ended ended on a user error, it is 2, and when they stopped
   because training diverged (``trainer.nonfinite``), 3. torchrun exits 1 in all these cases.
   Each worker records its exit code in the folder named by :data:`common.entry.EXIT_CODE_DIR`;
+* when a worker stopped because a collective hung (``trainer.collective_timeout_s``), the exit
+  code is 4. Rank 0 prints the line naming the ranks that did not arrive; when it could not (it
+  was frozen, or NCCL aborted it: then NCCL's flight recorder dumped into the run's ``hang/``
+  folder), this launcher prints it from the ranks' heartbeat files (``common/heartbeat.py``);
 * SIGUSR1 (SLURM's usual warning signal) is forwarded to the workers like SIGTERM, and workers
   get 120 s to write their checkpoint before torchrun kills them (its default is 30 s). Both can
   be set as for torchrun: ``--signals-to-handle`` or ``PET_SIGNALS_TO_HANDLE``, and
@@ -32,6 +36,7 @@ import re
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
@@ -39,26 +44,56 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
+from common import heartbeat
+from common.distributed import NCCL_TRACE_PREFIX
 from common.entry import EXIT_CODE_DIR, compose_config, fail
-from common.errors import EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from common.errors import EXIT_DIVERGED, EXIT_HUNG, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_TIMEOUT_S = "120"
 RECIPE_MODULE = re.compile(r"^recipes\.(\w+)\.train$")
 
 
-def check_overrides(module: str, script_args: list[str]) -> None:
-    """Compose the recipe's config with the overrides, as each worker would; one line and exit 2 if
-    they are bad. A module that is not a recipe, and Hydra's own flags (sweeps, ``--cfg``), are
-    left to torchrun's workers."""
+def recipe_overrides(module: str, script_args: list[str]) -> tuple[str, list[str]] | None:
+    """The recipe ``module`` trains and the overrides its workers compose; None for a module that
+    is not a recipe, or Hydra's own flags (sweeps, ``--cfg``), which are left to the workers."""
     match = RECIPE_MODULE.match(module)
     if match is None or any(arg.startswith("-") for arg in script_args):
+        return None
+    return match.group(1), [arg for arg in script_args if not arg.lstrip("+~").startswith("hydra")]
+
+
+def check_overrides(module: str, script_args: list[str]) -> None:
+    """Compose the recipe's config with the overrides, as each worker would; one line and exit 2 if
+    they are bad."""
+    recipe = recipe_overrides(module, script_args)
+    if recipe is None:
         return
-    overrides = [arg for arg in script_args if not arg.lstrip("+~").startswith("hydra")]
     try:
-        compose_config(match.group(1), overrides)
+        compose_config(*recipe)
     except UserError as error:
         fail(str(error))
+
+
+def report_hang(module: str, script_args: list[str], codes: list[int], started: float) -> bool:
+    """Whether the workers stopped because a collective hung: one of them recorded
+    :data:`EXIT_HUNG`, or NCCL's flight recorder dumped into the run's ``hang/`` folder during this
+    launch. Then, unless rank 0 wrote the hang's line (``hang/report.txt``), print it from the
+    heartbeat files and write it there."""
+    recipe = recipe_overrides(module, script_args)
+    try:
+        hang_dir = Path(compose_config(*recipe).run_dir) / heartbeat.HANG_DIR if recipe else None
+    except UserError:
+        hang_dir = None
+    traced = hang_dir is not None and any(path.stat().st_mtime >= started
+                                          for path in hang_dir.glob(f"{NCCL_TRACE_PREFIX}*"))
+    if EXIT_HUNG not in codes and not traced:
+        return False
+    if hang_dir is not None and not (hang_dir / heartbeat.REPORT_FILE).is_file():
+        line = heartbeat.launcher_hang_line(hang_dir.parent)
+        print(f"torchrun: error: {line}", file=sys.stderr, flush=True)
+        (hang_dir / heartbeat.REPORT_FILE).write_text(line + "\n")
+    return True
 
 
 def torchrun_has_shutdown_timeout() -> bool:
@@ -102,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.module:
         check_overrides(args.training_script, args.training_script_args)
     give_workers_the_shutdown_window()
+    started = time.time()
     with tempfile.TemporaryDirectory(prefix="torchrun-exit-codes-") as folder:
         os.environ[EXIT_CODE_DIR] = folder
         try:
@@ -115,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(EXIT_PREEMPTED)
             if codes and set(codes) in ({EXIT_USER_ERROR}, {EXIT_DIVERGED}) and isinstance(error, ChildFailedError):
                 sys.exit(codes[0])  # the workers printed their line
+            if args.module and report_hang(args.training_script, args.training_script_args, codes, started):
+                sys.exit(EXIT_HUNG)
             raise
 
 

@@ -7,6 +7,7 @@ One layout everywhere, the one the Strong Compute ISC's Checkpoint Artifacts shi
       AtomicDirectory_checkpoint_7/
         state.pt          everything that is not sharded (torch.save, loaded with weights_only)
         sharded/          optional: torch.distributed.checkpoint files (FSDP), every rank's shards
+        compile_cache.tar optional: an attachment (torch.compile's caches: common/compile_cache.py)
         manifest.json     written last: step, metrics, the run's config, the provenance of the
                           segment that saved it, sha256 and size of every file
       AtomicDirectory.latest_checkpoint -> /abs/path/checkpoints/AtomicDirectory_checkpoint_7
@@ -41,6 +42,7 @@ downloaded on its own) the highest ``N`` comes first.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -52,7 +54,7 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +322,23 @@ def os_error_in(error: BaseException) -> OSError | None:
 
 
 
+@dataclass(frozen=True)
+class Attachment:
+    """A file that travels in a checkpoint directory beside its state (compiled code:
+    ``common/compile_cache.py``). Its sha256 and size go into the manifest's ``attachments`` with
+    ``info``, not among the checkpoint's ``files``: a damaged attachment is for its reader to
+    ignore (:func:`read_attachment`), never a reason to fall back to an older checkpoint."""
+
+    name: str
+    data: bytes
+    info: dict[str, Any]
+
+    @functools.cached_property
+    def entry(self) -> dict[str, Any]:
+        """What the manifest records (its digest computed once: the same attachment is saved again)."""
+        return {**self.info, "sha256": hashlib.sha256(self.data).hexdigest(), "size": len(self.data)}
+
+
 @dataclass
 class LoadedCheckpoint:
     path: Path
@@ -327,10 +346,23 @@ class LoadedCheckpoint:
     state: dict[str, Any]
     metrics: dict[str, float]
     provenance: dict[str, Any] | None = None  # of the run segment that saved it (common/provenance.py)
+    attachments: dict[str, dict[str, Any]] = field(default_factory=dict)  # the manifest's entry of each
 
 
 class CheckpointError(Exception):
     """A checkpoint that is incomplete or whose content does not match its manifest."""
+
+
+def read_attachment(checkpoint: Path, name: str, entry: dict[str, Any]) -> bytes:
+    """The attachment ``name`` of ``checkpoint``, checked against its manifest ``entry``;
+    :class:`CheckpointError` when it is missing or damaged."""
+    try:
+        data = (checkpoint / name).read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"{name} cannot be read ({error.strerror or error})") from error
+    if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{name} does not match its sha256 in the manifest")
+    return data
 
 
 def verify_checkpoint(path: Path, digests: bool = True) -> dict[str, Any]:
@@ -429,7 +461,7 @@ class CheckpointManager:
         self._best_value: float | None = None
         # Background shard writes agree over a gloo group of their own: their collectives run in
         # another thread than the training loop's, and must not interleave with them.
-        self._shard_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self._shard_group = distributed.gloo_group() if async_save and dist.is_initialized() else None
         next_index = None
         if self.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -471,6 +503,7 @@ class CheckpointManager:
         milestone: str | None = None,
         config: dict[str, Any] | None = None,
         provenance: dict[str, Any] | None = None,
+        attachments: tuple[Attachment, ...] = (),
     ) -> None:
         """Write a checkpoint of ``step``. Blocks until it is committed unless ``async_save`` is on.
         Collective: every rank calls it.
@@ -478,7 +511,8 @@ class CheckpointManager:
         ``milestone`` (e.g. "end of linear probe") names a checkpoint that must be kept: it is
         ``_force`` and never pruned. ``config`` (the run's config as plain data) goes into the
         manifest, so a checkpoint folder on its own says how to rebuild its model, and so does
-        ``provenance`` (the record of the run segment that saves it), so it says what wrote it. With
+        ``provenance`` (the record of the run segment that saves it), so it says what wrote it. Rank
+        0's ``attachments`` are written beside the state (see :class:`Attachment`). With
         ``async_save`` it waits for the previous background save, copies ``state`` and this rank's
         ``sharded_state`` to host memory and returns; :meth:`wait` (or the next save or load)
         blocks until it is committed.
@@ -504,8 +538,10 @@ class CheckpointManager:
             manifest["config"] = config
         if provenance is not None:
             manifest["provenance"] = provenance
+        if attachments:
+            manifest["attachments"] = {attachment.name: attachment.entry for attachment in attachments}
         if self.async_save:
-            self._save_in_background(tmp, final, state, sharded_state, manifest, size)
+            self._save_in_background(tmp, final, state, sharded_state, manifest, size, attachments)
             return
         try:
             if sharded_state is not None:
@@ -513,7 +549,7 @@ class CheckpointManager:
 
                 dcp.save(sharded_state, checkpoint_id=str(tmp / SHARDED_DIR))
             if self.is_main:
-                self._write(tmp, final, state, manifest)
+                self._write(tmp, final, state, manifest, attachments)
         except BaseException as error:  # torch.distributed.checkpoint raises a BaseException subclass
             if os_error_in(error) is None:
                 raise
@@ -521,7 +557,7 @@ class CheckpointManager:
         self._raise_if_any_rank_failed(failure)
 
     def _save_in_background(self, tmp: Path, final: Path, state: dict[str, Any], sharded_state: dict[str, Any] | None,
-                            manifest: dict[str, Any], size: int) -> None:
+                            manifest: dict[str, Any], size: int, attachments: tuple[Attachment, ...]) -> None:
         """Copy what this rank saves to host memory (all the loop waits for) and write it in the
         background: each rank its shards, then rank 0 the rest and the commit."""
         self._background_size = size
@@ -536,7 +572,7 @@ class CheckpointManager:
         snapshot = self._snapshots.snapshot(state)
         shards_written, self._shards_written = self._shards_written, None
         self._thread = threading.Thread(
-            target=self._write_in_background, args=(tmp, final, snapshot, manifest, size, shards_written),
+            target=self._write_in_background, args=(tmp, final, snapshot, manifest, size, shards_written, attachments),
             name="checkpoint-writer", daemon=True,
         )
         self._thread.start()
@@ -550,17 +586,23 @@ class CheckpointManager:
         return True
 
     def _write_in_background(self, tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any],
-                             size: int, shards_written: Future | None) -> None:
+                             size: int, shards_written: Future | None, attachments: tuple[Attachment, ...]) -> None:
         try:
             if shards_written is not None:
                 shards_written.result()  # every rank's shards are on disk (the write's last step is collective)
-            self._write(tmp, final, state, manifest)
+            self._write(tmp, final, state, manifest, attachments)
         except BaseException as error:  # reported by the next wait()
             self._error = CheckpointWriteError(self._write_failure(error, size, tmp, final)) \
                 if os_error_in(error) is not None else error
 
-    def _write(self, tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any]) -> None:
+    def _write(self, tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any],
+               attachments: tuple[Attachment, ...] = ()) -> None:
         files: dict[str, dict[str, Any]] = {}
+        for attachment in attachments:
+            with open(tmp / attachment.name, "wb") as handle:
+                handle.write(attachment.data)
+                handle.flush()
+                os.fsync(handle.fileno())
         with open(tmp / STATE_FILE, "wb") as handle:
             writer = _HashingWriter(handle)
             torch.save(state, writer)
@@ -693,11 +735,12 @@ class CheckpointManager:
         if self.is_main and self.directory.is_dir():
             found = newest_valid_checkpoint(self.directory, self.log)
             if found is not None:
-                chosen = (str(found[0]), found[1]["step"], found[1]["metrics"], found[1].get("provenance"))
+                chosen = (str(found[0]), found[1]["step"], found[1]["metrics"], found[1].get("provenance"),
+                          found[1].get("attachments", {}))
         chosen = distributed.broadcast_object(chosen)
         if chosen is None:
             return None
-        path, step, metrics, provenance = Path(chosen[0]), *chosen[1:]
+        path, step, metrics, provenance, attachments = Path(chosen[0]), *chosen[1:]
         try:
             state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as error:
@@ -707,4 +750,5 @@ class CheckpointManager:
             import torch.distributed.checkpoint as dcp
 
             dcp.load(sharded_state, checkpoint_id=str(path / SHARDED_DIR))
-        return LoadedCheckpoint(path=path, step=step, state=state, metrics=metrics, provenance=provenance)
+        return LoadedCheckpoint(path=path, step=step, state=state, metrics=metrics, provenance=provenance,
+                                attachments=attachments)

@@ -57,6 +57,17 @@ class Nonfinite(str, Enum):
     rollback = "rollback"  # back to the last finite checkpoint, skipping the batches up to the bad step
 
 
+COLLECTIVE_TIMEOUT_S = 300.0
+"""How long a rank waits in a collective before the run is declared hung (``trainer.collective_timeout_s``).
+
+The slowest collectives we make wait for one rank's I/O: a synchronous checkpoint save (the other
+ranks wait while rank 0 writes, fsyncs and hashes ``state.pt``: under a second for ResNet-50, about
+a minute for a 13 GB dinov2 giant state on network storage) and a resume (rank 0 verifies every
+file's sha256 before it broadcasts the choice: the same order). An evaluation and a first compiled
+step keep the ranks in step, so they differ by a batch. 300 s leaves twice the worst of these,
+and a hung job wastes 5 minutes of its allocation instead of torch's 10 (NCCL) or 30 (gloo)."""
+
+
 @dataclass
 class TrainerConfig:
     epochs: int = 10
@@ -81,6 +92,8 @@ class TrainerConfig:
     nonfinite: Nonfinite = Nonfinite.stop
     rollback_lr_factor: float = 1.0  # rollback: the LR (and its schedule) is multiplied by this at each rollback
     max_rollbacks: int = 3  # rollback: after this many, a non-finite step stops the run as with stop
+    # Seconds a rank waits in a collective before the run stops as hung (exit 4; common/heartbeat.py).
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
 @dataclass

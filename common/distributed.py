@@ -16,14 +16,17 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  (before any group exists: see shutdown_distributed)
 
+from common.config import COLLECTIVE_TIMEOUT_S
 from common.errors import UserError
 
 _joined_a_group = False
+_timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)  # the process group's: groups made later get it too
 
 
 @dataclass(frozen=True)
@@ -127,28 +130,56 @@ def process_group_backend(device: torch.device, cpu_collectives: bool = False) -
     return "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
 
 
-def init_distributed(device_preference: str = "auto", timeout_s: int = 600, cpu_collectives: bool = False,
-                     group_of_one: bool = False) -> DistInfo:
+NCCL_TRACE_PREFIX = "nccl_trace_rank_"
+"""The file names NCCL's flight recorder dumps to in a run's hang folder (torch appends the rank)."""
+
+
+def enable_flight_recorder(hang_dir: Path) -> None:
+    """Before an NCCL group is made: keep each rank's recent collectives (NCCL's flight recorder)
+    and, when one times out, dump them to ``hang_dir/nccl_trace_rank_<N>`` before NCCL aborts the
+    process. ``python -m torch.distributed.flight_recorder.fr_trace <hang_dir> --prefix
+    nccl_trace_rank_`` then says which collective each rank was in. Variables already set win."""
+    hang_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(hang_dir / NCCL_TRACE_PREFIX))
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: float = COLLECTIVE_TIMEOUT_S,
+                     cpu_collectives: bool = False, group_of_one: bool = False,
+                     hang_dir: Path | None = None) -> DistInfo:
     """Join the process group if launched with several processes (see :func:`process_group_backend`).
 
-    ``group_of_one`` makes a group for a single process too, so that code written for a group
-    (FSDP2) runs on one GPU.
+    A collective that waits longer than ``timeout_s`` fails (``trainer.collective_timeout_s``; see
+    ``common/heartbeat.py``); with ``hang_dir`` an NCCL group records its collectives for that case
+    (:func:`enable_flight_recorder`). ``group_of_one`` makes a group for a single process too, so
+    that code written for a group (FSDP2) runs on one GPU.
     """
-    global _joined_a_group
+    global _joined_a_group, _timeout
     rank, world_size, local_rank, launcher = _launch_env()
     device = resolve_device(device_preference, local_rank, launcher)
     if (world_size > 1 or group_of_one) and not dist.is_initialized():
         _joined_a_group = True
+        _timeout = timedelta(seconds=timeout_s)
         alone = world_size == 1 and "MASTER_PORT" not in os.environ
+        backend = process_group_backend(device, cpu_collectives)
+        if hang_dir is not None and "nccl" in backend:
+            enable_flight_recorder(hang_dir)
         dist.init_process_group(  # a group of one meets at a free local port, leaving the environment alone
-            backend=process_group_backend(device, cpu_collectives),
+            backend=backend,
             init_method=f"tcp://127.0.0.1:{free_port()}" if alone else None,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=_timeout,
             device_id=device if device.type == "cuda" else None,
         )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, launcher=launcher)
+
+
+def gloo_group() -> dist.ProcessGroup:
+    """A new gloo group of every rank, with the process group's timeout (``new_group``'s own
+    default is gloo's 30 minutes). Collective: every rank calls it."""
+    return dist.new_group(backend="gloo", timeout=_timeout)
 
 
 def joined_a_group() -> bool:

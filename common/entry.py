@@ -7,6 +7,8 @@
   one line on stderr and exit code 2, before any work; so does a :class:`~common.errors.UserError`
   raised by the recipe. Hydra is told to raise its errors (``HYDRA_FULL_ERROR=1``, its documented
   switch) instead of printing them with a stack trace, so the line is made here;
+* a collective that waits longer than ``trainer.collective_timeout_s`` ends the run as hung, with
+  one line from rank 0 naming the ranks that did not arrive and exit code 4 (``common/heartbeat.py``);
 * SIGTERM/SIGUSR1 end with exit code 75 once the recipe has written its checkpoint; under
   ``cluster/torchrun.py`` each worker also records its exit code for the launcher (torchrun
   itself turns any worker's non-zero exit into its own exit code 1);
@@ -36,11 +38,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from common import distributed
+from common import distributed, heartbeat
 from common.config import RunConfig, config_record, plain_config
 from common.determinism import configure_determinism
 from common.distributed import DistInfo
-from common.errors import EXIT_USER_ERROR, Preempted, RunStopped, UserError
+from common.errors import EXIT_HUNG, EXIT_USER_ERROR, Preempted, RunStopped, UserError
 from common.profiling import out_of_memory_error, record_memory_history
 from common.run_lock import RunLockHeld, run_locks
 
@@ -108,6 +110,17 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def end_hung_process() -> NoReturn:
+    """End a process of a hung run (:mod:`common.heartbeat`) at once with :data:`EXIT_HUNG`, recorded
+    for the launcher. Its process group is broken: tearing it down, or an ``atexit`` handler that
+    uses it, could wait for ever. Every committed checkpoint is intact, and the standard streams
+    are flushed."""
+    record_exit_code(EXIT_HUNG)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_HUNG)
 
 
 def user_message(error: Exception) -> str:
@@ -194,10 +207,11 @@ def _print_job_config_resolved() -> None:
 @contextlib.contextmanager
 def distributed_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]:
     """This process set up to run ``cfg``'s model: PyTorch's determinism and speed switches (before
-    CUDA starts), then its device and process group (``common.distributed.init_distributed``, which
-    ``process_group``'s options go to); the group is destroyed at the end."""
+    CUDA starts), then its device and process group (``common.distributed.init_distributed``, with
+    ``trainer.collective_timeout_s``; ``process_group``'s options go there too); the group is
+    destroyed at the end."""
     configure_determinism(cfg.trainer.deterministic, cfg.device)
-    dist_info = distributed.init_distributed(cfg.device, **process_group)
+    dist_info = distributed.init_distributed(cfg.device, timeout_s=cfg.trainer.collective_timeout_s, **process_group)
     try:
         yield dist_info
     finally:
@@ -211,10 +225,12 @@ def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]
     the config in ``.hydra/`` and prints it, resolved, once per segment (SLURM's and the ISC's logs
     are where people look). A run held by another launch is a one-line error on every rank,
     printed once, and nothing is written. A stop every rank agreed on (a refused lock, a divergence)
-    is reported before any rank exits: a launcher that sees one rank end stops the others. A CUDA
-    out-of-memory error becomes a one-line error (``common/profiling.py``; with
-    ``profile.memory_on_oom`` the allocation history is recorded from here on, and dumped then)."""
-    with distributed_process(cfg, **process_group) as dist_info:
+    is reported before any rank exits: a launcher that sees one rank end stops the others. Every
+    rank then keeps a heartbeat in the run directory, and a collective's timeout ends the run as
+    hung (:func:`common.heartbeat.beating`, :func:`end_hung_process`). A CUDA out-of-memory error
+    becomes a one-line error (``common/profiling.py``; with ``profile.memory_on_oom`` the allocation
+    history is recorded from here on, and dumped then)."""
+    with distributed_process(cfg, hang_dir=Path(cfg.run_dir) / heartbeat.HANG_DIR, **process_group) as dist_info:
         if cfg.profile.memory_on_oom and not record_memory_history(dist_info.device) and dist_info.is_main:
             print(f"profile.memory_on_oom: no memory history, it records CUDA allocations and this run is on "
                   f"{dist_info.device.type}", flush=True)
@@ -226,12 +242,16 @@ def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]
                         held.enter_context(run_locks([cfg.run_dir, cfg.checkpoint.dir], log=print))
                     except RunLockHeld as error:
                         refusal = str(error)
+                    else:
+                        heartbeat.clear(cfg.run_dir)
                 refusal = distributed.broadcast_object(refusal)
                 if refusal is not None:
                     raise UserError(refusal, agreed=True)
                 if dist_info.is_main:
                     path = record_config(cfg)
                     print(f"config ({path}):\n{OmegaConf.to_yaml(plain_config(cfg))}", end="", flush=True)
+                held.enter_context(heartbeat.beating(cfg.run_dir, dist_info.rank, dist_info.world_size,
+                                                     cfg.trainer.collective_timeout_s, end_hung_process))
                 yield dist_info
         except RunStopped as stop:
             if stop.agreed:

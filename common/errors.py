@@ -12,6 +12,11 @@ EXIT_DIVERGED = 3
 """Exit code after :class:`Diverged`: running the same command again would diverge again, so
 launchers do not requeue or restart it."""
 
+EXIT_HUNG = 4
+"""Exit code after a collective waited longer than ``trainer.collective_timeout_s`` (a hang: see
+``common/heartbeat.py``). Not 75: a rank that hangs once (a deadlock in the code, a bad node) may
+hang again, so launchers do not requeue it by themselves."""
+
 EXIT_PREEMPTED = 75
 """Exit code after SIGTERM/SIGUSR1: a checkpoint was written and the run can be resumed
 (75 is ``EX_TEMPFAIL`` from sysexits.h, "try again later")."""

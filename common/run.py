@@ -37,6 +37,10 @@ position inside the epoch, every rank's RNG states and partial metric sums, and 
 counters; its manifest holds the run's config. Restarting a finished run only rewrites its
 summary; restarting it with more epochs or steps goes on training.
 
+With ``trainer.compile=true`` a :class:`~common.compile_cache.CompileCache` points Inductor at
+a local cache folder, attaches that folder to every checkpoint and unpacks it from the checkpoint
+a run resumes from, so that a resumed segment does not compile again.
+
 Two more things every recipe gets here. ``init_from=<run | checkpoint | export>`` starts a new
 run from another run's weights (``common/init_from.py``), with a fresh optimizer, schedule and
 sampler; a run that resumes its own checkpoint ignores it. ``trainer.early_stopping_patience``
@@ -63,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common import distributed
+from common import distributed, heartbeat
 from common.checkpoint import (
     KEEP_ALL,
     CheckpointManager,
@@ -72,6 +76,7 @@ from common.checkpoint import (
     is_artifact_path,
     latest_checkpoint,
 )
+from common.compile_cache import CompileCache
 from common.config import ProfileConfig, RunConfig, config_record
 from common.distributed import DistInfo
 from common.divergence import NONE, NonfiniteWatch, all_finite, scale_learning_rate
@@ -162,7 +167,7 @@ def host_group() -> dist.ProcessGroup | None:
     ``cpu:gloo,cuda:nccl``), else a gloo group made for it. Collective: every rank calls it."""
     if "gloo" in dist.get_backend():
         return None
-    return dist.new_group(backend="gloo")
+    return distributed.gloo_group()
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,8 @@ class CheckpointCadence:
         if self.distributed:
             mine = torch.tensor(rows[0], dtype=torch.float64)
             gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, mine, group=self.group)
+            with heartbeat.phase(heartbeat.CADENCE):
+                dist.all_gather(gathered, mine, group=self.group)
             rows = [row.tolist() for row in gathered]
         due, stop = any(row[0] > 0 for row in rows), any(row[1] > 0 for row in rows)
         bad = {rank: int(row[2]) for rank, row in enumerate(rows) if row[2] != NONE}
@@ -248,7 +254,8 @@ class TrainingRun:
     ``early_stopping_patience``: see the module. ``search_trial``: the search trial this run is, if
     any. ``log_every_steps``, ``grad_clip_norm``, ``precision`` and ``deterministic`` are the
     ``trainer`` node's (:meth:`clip_grad_norm`, the telemetry of :meth:`log_train`, the provenance
-    check of :meth:`resume`); ``profile`` the ``profile`` node.
+    check of :meth:`resume`); ``profile`` the ``profile`` node. ``compile_cache`` (with
+    ``trainer.compile``) is saved with every checkpoint and restored on resume.
     """
 
     def __init__(
@@ -286,6 +293,7 @@ class TrainingRun:
         precision: str = "fp32",
         deterministic: bool = False,
         profile: ProfileConfig | None = None,
+        compile_cache: CompileCache | None = None,
     ) -> None:
         self.dist_info = dist_info
         self.plan = plan
@@ -297,8 +305,8 @@ class TrainingRun:
         self.resume_from_checkpoint = resume_from_checkpoint
         self.eval_every_epochs = eval_every_epochs
         self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.optimizer = None
+        self.track_optimizer(optimizer, scheduler)
         self.scaler = scaler
         self.sampler = sampler
         self.train_sums = train_sums
@@ -318,6 +326,7 @@ class TrainingRun:
         self.grad_clip_norm = grad_clip_norm
         self.deterministic = deterministic
         self.profile = profile or ProfileConfig()
+        self.compile_cache = compile_cache
         self.watch = NonfiniteWatch(dist_info.device)
         self.telemetry = StepTelemetry(dist_info.device, precision)
         self.progress = Progress()
@@ -348,6 +357,7 @@ class TrainingRun:
         cadence = CheckpointCadence(checkpoint.every_steps, checkpoint.every_seconds, checkpoint.sync_every_steps,
                                     StopSignals())
         open_logger = functools.partial(RunLogger.from_config, cfg, dist_info.is_main)
+        compile_cache = CompileCache.for_run(cfg.recipe, dist_info.device) if cfg.trainer.compile else None
         return cls(dist_info, plan, checkpoints, cadence, open_logger, recipe=cfg.recipe, run_dir=cfg.run_dir,
                    resume_from_checkpoint=checkpoint.resume, eval_every_epochs=cfg.trainer.eval_every_epochs,
                    config=config_record(cfg), model_cfg=cfg.model,
@@ -356,7 +366,7 @@ class TrainingRun:
                    nonfinite=cfg.trainer.nonfinite.value, rollback_lr_factor=cfg.trainer.rollback_lr_factor,
                    max_rollbacks=cfg.trainer.max_rollbacks, log_every_steps=cfg.trainer.log_every_steps,
                    grad_clip_norm=cfg.trainer.grad_clip_norm, precision=cfg.trainer.precision.value,
-                   deterministic=cfg.trainer.deterministic, profile=cfg.profile,
+                   deterministic=cfg.trainer.deterministic, profile=cfg.profile, compile_cache=compile_cache,
                    search_trial=SearchTrial.from_environment(), **objects)
 
     # ---- resume ---------------------------------------------------------------------------------
@@ -368,7 +378,8 @@ class TrainingRun:
         optimizer step would read them back to the host). Collective."""
         sharded_model = None
         if self.resume_from_checkpoint:
-            self.loaded, sharded_model = self._load_latest()
+            with heartbeat.phase(heartbeat.LOAD):
+                self.loaded, sharded_model = self._load_latest()
         initialized = None
         if self.loaded is None:
             self.sampler.set_epoch(0)
@@ -386,6 +397,8 @@ class TrainingRun:
         self.logger = self.open_logger(self.progress.step)
         if self.loaded is not None:
             self.console(f"resumed from {self.loaded.path} ({self.progress.describe()})")
+            if self.compile_cache is not None:
+                self.console(self.compile_cache.restore(self.loaded))
             if self.init_from:
                 self.console(f"init_from={self.init_from} ignored: the run resumed from its own checkpoint")
         if initialized is not None:
@@ -467,6 +480,7 @@ class TrainingRun:
         saved = {name: value for name, value in state["progress"].items() if name in PROGRESS_FIELDS}
         self.progress = Progress(**saved)  # (checkpoints of earlier versions hold a counter no longer kept)
         self.progress.resumes += 1
+        heartbeat.at_step(self.progress.step)
 
     def _restore_optimizer(self, loaded: LoadedCheckpoint) -> None:
         if self.sharded:
@@ -483,10 +497,13 @@ class TrainingRun:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(loaded.state["scheduler"])
 
-    def track_optimizer(self, optimizer: torch.optim.Optimizer, scheduler: Any, restore: bool = False) -> None:
-        """Save ``optimizer`` and ``scheduler`` from now on, in place of the ones tracked so far.
-        ``restore``: they are the ones the checkpoint resumed from was saved with (a recipe that
-        chooses its optimizer by the progress :meth:`resume` returned): load their state."""
+    def track_optimizer(self, optimizer: torch.optim.Optimizer | None, scheduler: Any, restore: bool = False) -> None:
+        """Save ``optimizer`` and ``scheduler`` from now on, in place of the ones tracked so far (its
+        steps are marked in the heartbeat). ``restore``: they are the ones the checkpoint resumed
+        from was saved with (a recipe that chooses its optimizer by the progress :meth:`resume`
+        returned): load their state."""
+        if optimizer is not None and optimizer is not self.optimizer:
+            optimizer.register_step_pre_hook(lambda *_: heartbeat.enter(heartbeat.OPTIMIZER))
         self.optimizer, self.scheduler = optimizer, scheduler
         if restore and self.loaded is not None:
             self._restore_optimizer(self.loaded)
@@ -559,6 +576,8 @@ class TrainingRun:
         lowers its scale), so it is not watched there."""
         self.sampler.advance(samples)
         self.progress.step += 1
+        heartbeat.at_step(self.progress.step)
+        heartbeat.enter(heartbeat.AFTER_STEP)
         scaler_skips = self.scaler is not None and self.scaler.is_enabled()
         watched_norm = grad_norm if self.grad_clip_norm and not scaler_skips else None
         self.watch.observe(self.progress.step, self.train_sums.running("loss"), watched_norm)
@@ -606,14 +625,17 @@ class TrainingRun:
         self.sampler.set_epoch(self.progress.epoch)
         if self.training_done():
             return
-        metrics = None
-        if self.progress.epoch % self.eval_every_epochs == 0:
-            with self.telemetry.excluded():
-                metrics = evaluate()
+        metrics = self._evaluate(evaluate) if self.progress.epoch % self.eval_every_epochs == 0 else None
+        if metrics is not None:
             self._count_improvement(metrics, may_stop=True)
             self._report_to_search(metrics)
         if not self.training_done():
             self.save(metrics, milestone=self.milestones.get(self.progress.epoch))
+
+    def _evaluate(self, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """``evaluate()``, marked in the heartbeat and left out of the step time."""
+        with heartbeat.phase(heartbeat.EVALUATION), self.telemetry.excluded():
+            return evaluate()
 
     def _count_improvement(self, metrics: dict[str, float], may_stop: bool) -> None:
         """Early stopping: count this evaluation as one without improvement unless it beats the
@@ -659,7 +681,8 @@ class TrainingRun:
         shows it). Collective; it waits for the device, as the save it precedes does. True when
         finite. Otherwise, with ``trainer.nonfinite=rollback`` and rollbacks left, go back to the
         last finite checkpoint and return False; else stop the run (:class:`Diverged`)."""
-        seen = distributed.all_gather_object((self.watch.settle(), self._state_finite()))
+        with heartbeat.phase(heartbeat.FINITE_CHECK):
+            seen = distributed.all_gather_object((self.watch.settle(), self._state_finite()))
         watched = {rank: step for rank, (step, _) in enumerate(seen) if step != NONE}
         if watched:  # where a loss or gradient went non-finite first, not the weights that followed
             nonfinite_step = min(watched.values())
@@ -690,7 +713,8 @@ class TrainingRun:
         detected_at, kept = self.progress.step, self.progress
         seconds = kept.train_seconds + time.monotonic() - self._clock
         self.checkpoints.wait()
-        loaded, sharded_model = self._load_latest()
+        with heartbeat.phase(heartbeat.LOAD):
+            loaded, sharded_model = self._load_latest()
         if loaded is None:
             return False
         self.loaded = loaded
@@ -742,6 +766,10 @@ class TrainingRun:
 
     def save(self, metrics: dict[str, float] | None = None, milestone: str | None = None) -> None:
         """Checkpoint everything now (collective: every rank calls it), with this segment's provenance."""
+        with heartbeat.phase(heartbeat.SAVE):
+            self._save(metrics, milestone)
+
+    def _save(self, metrics: dict[str, float] | None, milestone: str | None) -> None:
         now = time.monotonic()
         self.progress.train_seconds += now - self._clock
         self._clock = now
@@ -752,8 +780,11 @@ class TrainingRun:
 
                 model_shards, optimizer_shards = get_state_dict(self.model, self.optimizer)
                 sharded_state = {"model": model_shards, "optimizer": optimizer_shards}
+            compiled = self.compile_cache.attachment() if self.compile_cache is not None and self.dist_info.is_main \
+                else None
             self.checkpoints.save(self.progress.step, self._capture(), metrics, sharded_state=sharded_state,
-                                  milestone=milestone, config=self.config, provenance=self.provenance)
+                                  milestone=milestone, config=self.config, provenance=self.provenance,
+                                  attachments=(compiled,) if compiled else ())
         self.cadence.saved()
 
     def _capture(self) -> dict[str, Any]:
@@ -786,7 +817,7 @@ class TrainingRun:
         if self.progress.finished:
             metrics = self.loaded.metrics
         else:
-            metrics = evaluate()
+            metrics = self._evaluate(evaluate)
             if not self.progress.stopped_early:
                 self._count_improvement(metrics, may_stop=False)
             self.progress.finished = True

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from common import heartbeat
 from common.errors import UserError
 from common.optim import accumulation_steps
 from common.sampler import ResumableDistributedSampler
@@ -45,7 +46,8 @@ def compile_static(model: Callable[..., Any]) -> Callable[..., Any]:
 class MicroBatches:
     """The micro-batches of one optimizer step, taken from the epoch's iterator as they are used
     (a DataLoader's batches are not held in memory all at once). ``len()`` is how many there are
-    and ``samples`` how many samples they hold on this rank, both known before the first."""
+    and ``samples`` how many samples they hold on this rank, both known before the first. The
+    rank's heartbeat says whether it is waiting for one or working on it."""
 
     def __init__(self, source: Iterator[Any], count: int, samples: int) -> None:
         self._source = source
@@ -59,7 +61,10 @@ class MicroBatches:
     def __iter__(self) -> Iterator[Any]:
         while self.taken < self._count:
             self.taken += 1
-            yield next(self._source)
+            heartbeat.enter(heartbeat.DATA)
+            micro_batch = next(self._source)
+            heartbeat.enter(heartbeat.FORWARD_BACKWARD)
+            yield micro_batch
 
 
 class StepPlan:

@@ -265,4 +265,17 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_records.py::test_every_checkpoint_holds_the_record_of_the_segment_that_saved_it",),
         "a checkpoint folder shipped on its own no longer says which code and machine wrote it",
     ),
+    # ---- issue 26: hangs that say where, compiled code that survives restarts ------------------------
+    Mutation(
+        "collective-timeout-is-a-traceback", "common/heartbeat.py",
+        "            beat.hung(WAITED, error)", "            pass",
+        ("tests/test_hangs.py::test_a_rank_stalled_in_a_step_is_named_with_its_host_phase_and_stacks",),
+        "a hung run ends in a traceback (exit 1) that names neither the stalled rank nor its phase",
+    ),
+    Mutation(
+        "compile-cache-not-restored", "common/run.py",
+        "                self.console(self.compile_cache.restore(self.loaded))", "                pass",
+        ("tests/test_compile_cache.py::test_a_resumed_compiled_run_does_not_compile_again",),
+        "every requeued or cycled compiled run compiles again from scratch (minutes on a GPU)",
+    ),
 ]

@@ -18,7 +18,8 @@
 # * The run directory is runs/<recipe>/slurm-<job id> unless name= or run_dir= is given; a
 #   requeued job keeps its job id, so it finds its checkpoints.
 # * Only a training that checkpointed and stopped (exit 75) is requeued: a run that diverged
-#   (exit 3) or met a user error (exit 2) would do the same again.
+#   (exit 3) or met a user error (exit 2) would do the same again, and one that hung (exit 4)
+#   may hang again: the job ends FAILED with that code.
 
 STOP_SIGNAL=""
 TRAINING_PID=""

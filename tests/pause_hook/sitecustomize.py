@@ -28,6 +28,16 @@ on rank NONFINITE_RANK only when that is set, and NONFINITE_TIMES times in a pro
 
 With OOM_AT_STEP=<k>, the first training ``F.cross_entropy`` of optimizer step ``k`` raises
 ``torch.OutOfMemoryError`` with CUDA's message, as a GPU that ran out of memory there would.
+
+With STALL_AT_STEP=<k>, rank STALL_RANK (default 1) never finishes optimizer step ``k``: its first
+training ``F.cross_entropy`` there calls :func:`stall_in_step`, which sleeps for ever (in Python, so
+that its threads and signal handlers run) or, with STALL_HOW=freeze, stops the whole process
+(SIGSTOP: not even its heartbeat thread runs) a second later, once its heartbeat has recorded where
+it is; meanwhile the other ranks wait in the step's collectives (tests/test_hangs.py).
+
+With PRINT_COMPILE_COUNTERS=1, a process that compiled prints ``COMPILE_COUNTERS {json}`` when it
+exits: the compiler's counters (``torch._dynamo.utils.counters``; Inductor's FX graph cache hits and
+misses among them) (tests/test_compile_cache.py). Inductor's compile workers print nothing.
 """
 
 import os
@@ -88,11 +98,12 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
 
     real_write = CheckpointManager._write
 
-    def write_with_pause(self: CheckpointManager, tmp: Path, final: Path, state: dict, manifest: dict) -> None:
+    def write_with_pause(self: CheckpointManager, tmp: Path, final: Path, state: dict, manifest: dict,
+                         *args: object) -> None:
         if getattr(self, "_pause_write_of", None) == manifest["step"]:
             writing_paused_step.step = manifest["step"]
         try:
-            real_write(self, tmp, final, state, manifest)
+            real_write(self, tmp, final, state, manifest, *args)
         finally:
             writing_paused_step.step = None
 
@@ -183,3 +194,58 @@ if os.environ.get("OOM_AT_STEP"):
         return cross_entropy_before_oom(*args, **kwargs)
 
     F.cross_entropy = cross_entropy_or_oom
+
+
+if os.environ.get("STALL_AT_STEP"):
+    import signal
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from common.run import TrainingRun
+
+    STALL_AT = int(os.environ["STALL_AT_STEP"])
+    STALL_RANK = int(os.environ.get("STALL_RANK", "1"))
+    FREEZE = os.environ.get("STALL_HOW") == "freeze"
+    stalling_runs: list[TrainingRun] = []
+
+    def stall_in_step() -> None:
+        """Never return: the frame the stalled rank's stacks must show."""
+        if FREEZE:
+            time.sleep(1)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        while True:
+            time.sleep(0.05)
+
+    real_stall_init = TrainingRun.__init__
+
+    def init_and_note_for_stall(self: TrainingRun, *args: object, **kwargs: object) -> None:
+        real_stall_init(self, *args, **kwargs)
+        stalling_runs.append(self)
+
+    TrainingRun.__init__ = init_and_note_for_stall
+    cross_entropy_before_stall = F.cross_entropy
+
+    def cross_entropy_or_stall(*args: object, **kwargs: object) -> torch.Tensor:
+        run = stalling_runs[-1] if stalling_runs else None
+        if (run is not None and torch.is_grad_enabled() and run.dist_info.rank == STALL_RANK
+                and run.progress.step + 1 == STALL_AT):
+            stall_in_step()
+        return cross_entropy_before_stall(*args, **kwargs)
+
+    F.cross_entropy = cross_entropy_or_stall
+
+
+if os.environ.get("PRINT_COMPILE_COUNTERS"):
+    import atexit
+    import json
+
+    def print_compile_counters() -> None:
+        from torch._dynamo.utils import counters
+
+        if counters["frames"]:
+            print("COMPILE_COUNTERS " + json.dumps({group: dict(values) for group, values in counters.items()}),
+                  flush=True)
+
+    atexit.register(print_compile_counters)

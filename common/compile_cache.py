@@ -1,0 +1,180 @@
+"""Compiled code that survives restarts: ``torch.compile``'s caches travel inside the checkpoint.
+
+With ``trainer.compile=true`` a cold start spends most of its first step compiling: Dynamo traces
+the model, AOTAutograd derives the backward, Inductor generates kernels and compiles them (C++ on
+a CPU, Triton on a GPU). Inductor keeps the results in its cache folder (``TORCHINDUCTOR_CACHE_DIR``:
+FX graphs, AOTAutograd entries and the compiled kernels), and a process that finds its graphs
+there skips all of it but Dynamo's tracing. That folder is on the node's local disk, which a
+requeued SLURM job on another node, or the next ISC cycle, does not see; so:
+
+* each process compiles into a local folder named by :func:`cache_key`
+  (``<tmp>/recipes-compile-cache-<user>/<key>``, or ``TORCHINDUCTOR_CACHE_DIR`` when it is set);
+* rank 0 attaches a tar of that folder to every checkpoint, as ``compile_cache.tar`` beside
+  ``state.pt`` (:class:`common.checkpoint.Attachment`: its key and sha256 in the manifest, outside
+  the checkpoint's own digests). It is made again only when the folder changed (a new graph: the
+  evaluation's, an epoch's short last batch), and otherwise the same bytes are written again;
+* a process that resumes unpacks the archive of the checkpoint it loads into its local folder
+  before its first compiled step (:meth:`CompileCache.restore`), each file under a temporary name
+  and then renamed, so ranks sharing a node may do it at once.
+
+The archive goes wherever the checkpoint goes: the ISC ships the latest checkpoint directory and
+the ``_force`` ones (the run directory is not enough there), SLURM's requeue finds the run
+directory's checkpoints, a checkpoint copied to another machine brings it along. An archive made
+for another key (another torch, CUDA, Python, device, or source of the recipe and ``common/``),
+or one that is damaged, is ignored with one line, and the run compiles afresh.
+
+Why not ``torch.compiler.save_cache_artifacts()`` (the "mega-cache"): on a CPU it leaves the
+compiled C++ kernels out, so a warm start still compiles them (19.5 s of a 43.5 s cold first step
+with it, 2.6 s with the whole folder, on the same 2 shared cores; see benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import io
+import json
+import os
+import platform
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from common.checkpoint import Attachment, CheckpointError, LoadedCheckpoint, read_attachment
+
+ARCHIVE_FILE = "compile_cache.tar"
+CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+LOCAL_ONLY = ("locks",)  # Inductor's lock files: this machine's
+REPO = Path(__file__).resolve().parents[1]
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model: compiled kernels are made for one of them."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def source_digest(recipe: str, root: Path = REPO) -> str:
+    """sha256 over the Python sources of ``recipes/<recipe>/`` and ``common/``: the code that builds
+    the model and the step."""
+    digest = hashlib.sha256()
+    for path in sorted([*(root / "recipes" / recipe).rglob("*.py"), *(root / "common").rglob("*.py")]):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def key_fields(recipe: str, device: torch.device) -> dict[str, str]:
+    """What compiled code depends on besides the graph itself (which Inductor's own keys cover)."""
+    return {"torch": torch.__version__, "cuda": str(torch.version.cuda), "python": platform.python_version(),
+            "device": device_name(device), "source": source_digest(recipe)}
+
+
+def cache_key(fields: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_folder(key: str) -> Path:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid{os.getuid()}"
+    return Path(tempfile.gettempdir()) / f"recipes-compile-cache-{user}" / key
+
+
+class CompileCache:
+    """This process's compile cache folder, and its archive in checkpoints (see the module).
+    Made before the first compiled call: it points Inductor at the folder."""
+
+    def __init__(self, fields: dict[str, str]) -> None:
+        self.fields = fields
+        self.key = cache_key(fields)
+        self.folder = Path(os.environ.get(CACHE_DIR_VARIABLE) or default_folder(self.key)).resolve()
+        os.environ[CACHE_DIR_VARIABLE] = str(self.folder)
+        self._attachment: Attachment | None = None
+        self._listed: list[tuple[str, int, int]] = []
+
+    @classmethod
+    def for_run(cls, recipe: str, device: torch.device) -> CompileCache:
+        return cls(key_fields(recipe, device))
+
+    def _files(self) -> list[tuple[str, int, int]]:
+        """(relative path, size, mtime) of every file worth shipping, sorted: a change means a new graph."""
+        listed = []
+        for directory, folders, files in os.walk(self.folder):
+            here = Path(directory)
+            if here == self.folder:
+                folders[:] = [name for name in folders if name not in LOCAL_ONLY]
+            for name in files:
+                if name.startswith("."):  # Inductor's files while it writes them
+                    continue
+                path = here / name
+                try:
+                    stat = path.stat()
+                except OSError:
+                    continue
+                listed.append((path.relative_to(self.folder).as_posix(), stat.st_size, stat.st_mtime_ns))
+        return sorted(listed)
+
+    def attachment(self) -> Attachment | None:
+        """The folder as a checkpoint attachment (None while it is empty); the one made before
+        while nothing in it changed."""
+        listed = self._files()
+        if listed and listed != self._listed:
+            buffer = io.BytesIO()
+            try:
+                with tarfile.open(fileobj=buffer, mode="w") as tar:
+                    for relative, _, _ in listed:
+                        tar.add(self.folder / relative, arcname=relative, recursive=False)
+            except OSError:  # a file went away while it was read: the next save tries again
+                return self._attachment
+            self._attachment = Attachment(ARCHIVE_FILE, buffer.getvalue(), {"key": self.key, "made_for": self.fields})
+            self._listed = listed
+        return self._attachment
+
+    def restore(self, loaded: LoadedCheckpoint) -> str:
+        """Unpack the compile cache of ``loaded`` into the folder, unless it has none (a checkpoint of
+        a run without ``trainer.compile``), or one made for another key, or a damaged one; then the
+        run compiles afresh. Returns the line that says which."""
+        entry = loaded.attachments.get(ARCHIVE_FILE)
+        where = f"the compile cache in {loaded.path.name}"
+        if entry is None:
+            return f"{loaded.path.name} holds no compile cache; compiling afresh"
+        if entry.get("key") != self.key:
+            made_for = entry.get("made_for", {})
+            changed = [name for name, value in self.fields.items() if made_for.get(name) != value]
+            return f"{where} was made for another {', '.join(changed) or 'key'}; ignored, compiling afresh"
+        try:
+            count = self._unpack(read_attachment(loaded.path, ARCHIVE_FILE, entry))
+        except (CheckpointError, tarfile.TarError, OSError) as error:
+            return f"{where} is unusable ({str(error).splitlines()[0]}); ignored, compiling afresh"
+        return f"compiled code restored from {where}: {count} files in {self.folder}"
+
+    def _unpack(self, data: bytes) -> int:
+        """Every regular file of the archive into the folder, each written under a temporary name and
+        renamed into place; files already there (their names are digests of their content) are kept."""
+        count = 0
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+            for member in tar:
+                relative = PurePosixPath(member.name)
+                if not member.isfile() or relative.is_absolute() or ".." in relative.parts:
+                    continue
+                target = self.folder.joinpath(*relative.parts)
+                count += 1
+                if target.is_file() and target.stat().st_size == member.size:
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+                temporary.write_bytes(tar.extractfile(member).read())
+                os.chmod(temporary, member.mode & 0o777)
+                os.replace(temporary, target)
+        return count
+
