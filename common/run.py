@@ -305,8 +305,6 @@ class TrainingRun:
         self.resume_from_checkpoint = resume_from_checkpoint
         self.eval_every_epochs = eval_every_epochs
         self.model = model
-        self.optimizer = None
-        self.track_optimizer(optimizer, scheduler)
         self.scaler = scaler
         self.sampler = sampler
         self.train_sums = train_sums
@@ -337,6 +335,8 @@ class TrainingRun:
         self._flop_count: FlopCount | None = None
         self._bar: Any = None
         self._clock = time.monotonic()  # wall time of this segment, added to progress.train_seconds at each save
+        self.optimizer = None
+        self.track_optimizer(optimizer, scheduler)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, dist_info: DistInfo, plan: StepPlan, **objects: Any) -> TrainingRun:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -90,20 +89,18 @@ def as_float(value: torch.Tensor) -> float:
 class FlopCount:
     """The FLOPs the loop runs between :meth:`start` and :meth:`stop` (matmuls, convolutions,
     attention; forward and backward), counted by ``torch.utils.flop_counter.FlopCounterMode``.
-    The operations run as they would without it (a ``torch.compile``d module runs eager while it
-    counts)."""
+    A ``torch.compile``d module runs eager while it counts (``set_stance("force_eager")``): compiled
+    under the counter's global module hooks, its graphs would differ from every later step's, and
+    be compiled twice, and miss the compile cache a resumed run brings."""
 
     def __init__(self) -> None:
         self._counter = FlopCounterMode(display=False)
-        # Its module hooks are global: torch.compile warns that they fire twice, which changes no count.
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()
-        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-        self._counter.__enter__()
+        self._contexts = contextlib.ExitStack()
+        self._contexts.enter_context(torch.compiler.set_stance("force_eager"))
+        self._contexts.enter_context(self._counter)
 
     def stop(self) -> float:
-        self._counter.__exit__(None, None, None)
-        self._warnings.__exit__(None, None, None)
+        self._contexts.close()
         return float(self._counter.get_total_flops())
 
 
