@@ -293,6 +293,7 @@ class TrainingRun:
         self.max_rollbacks = max_rollbacks
         self.watch = NonfiniteWatch(dist_info.device)
         self.progress = Progress()
+        self._step_zero_pending = False  # trainer.nonfinite=rollback: a fresh run saves step 0 before its first step
         self.logger: RunLogger | None = None
         self.loaded: LoadedCheckpoint | None = None
         self._bar: Any = None
@@ -360,8 +361,10 @@ class TrainingRun:
             self.console(f"initialized from {initialized}")
         self._clock = self._log_clock = time.monotonic()
         self.cadence.saved()  # the wall-clock interval starts now, as after a save
-        if self.nonfinite == "rollback" and self.loaded is None:
-            self.save()  # a rollback needs a finite checkpoint to go back to, from the first step on
+        # A rollback needs a finite checkpoint to go back to, from the first step on. It is saved when
+        # the loop asks for its first step: a recipe may hand over its optimizer only after resume()
+        # (dinov2_fsdp makes the one of the stage the progress says), and a save needs it.
+        self._step_zero_pending = self.nonfinite == "rollback" and self.loaded is None
         return self.progress
 
     def _load_latest(self) -> tuple[LoadedCheckpoint | None, dict[str, Any] | None]:
@@ -457,6 +460,9 @@ class TrainingRun:
         says so; after SIGTERM/SIGUSR1 it saves and raises :class:`~common.errors.Preempted`. It
         ends at the epoch's end or at the run's last step."""
         plan, progress = self.plan, self.progress
+        if self._step_zero_pending:
+            self._step_zero_pending = False
+            self.save()
         extra = f" ({', '.join(f'{k} {v}' for k, v in progress.extra.items())})" if progress.extra else ""
         self._bar = self.logger.progress(plan.per_epoch, initial=plan.per_epoch - plan.steps_left(),
                                          description=f"epoch {progress.epoch + 1}/{plan.epochs}{extra}")
