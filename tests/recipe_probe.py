@@ -10,10 +10,10 @@ builds from what a checkpoint holds (so the probe sees the model, optimizer, LR 
 and plan the recipe made), and through hooks on the model and the optimizer:
 
 * ``steps=0``: stop when the loop asks for its first step, everything built;
-* ``steps=n``: stop after the ``n``-th optimizer step, with every training input the model saw,
-  the loss summed over each step's samples, the gradients each optimizer step applied (after
-  clipping), the sample indices of each micro-batch (recipes that index tensors in memory) and
-  the steps at which training metrics were logged;
+* ``steps=n``: stop after the ``n``-th optimizer step (counted from the run's start, so a resumed
+  run stops where an uninterrupted one would), with every training input the model saw, the
+  loss summed over each step's samples, the gradients each optimizer step applied (after
+  clipping), the samples each input holds and the steps at which training metrics were logged;
 * ``steps=None``: run to the end (finish, summary), recording the evaluation's inputs too.
 
 A :class:`~common.errors.UserError` the recipe raises is recorded, not raised. The process is left
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf, open_dict
 
+from common.data import PerSampleSeeded
 from common.distributed import DistInfo
 from common.entry import compose_config, typed_config
 from common.errors import UserError
@@ -94,9 +95,20 @@ class Probe:
     losses: list[float] = field(default_factory=list)  # per step: the loss summed over its samples
     gradients: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per step, by parameter name
     indices: list[list[int]] = field(default_factory=list)  # per micro-batch, in-memory recipes only
+    sample_keys: list[tuple[int, int]] = field(default_factory=list)  # (epoch, index) each loaded sample was seeded by
     logged_at: list[int] = field(default_factory=list)  # steps at which training metrics were logged
     stepping: bool = False
     loss_logged: float = 0.0  # the loss sums as the previous step left them
+
+    def samples(self) -> list[list[int]]:
+        """The sample indices of each training input, in order (in-memory recipes: the index
+        tensors the loop gathered with; the others: the keys their PerSampleSeeded dataset got)."""
+        if self.indices:
+            return self.indices[: len(self.inputs)]
+        keys, batches = iter(self.sample_keys), []
+        for batch in self.inputs:
+            batches.append([next(keys)[1] for _ in range(len(batch))])
+        return batches
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -139,6 +151,7 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
     seen = Probe(cfg)
     hooked: set[int] = set()
     originals = {name: getattr(TrainingRun, name) for name in ("resume", "steps", "step_done", "log_train")}
+    originals["load_sample"] = PerSampleSeeded.__getitem__
     compile_static = train.compile_static
 
     def record_compile(function: Any) -> Any:
@@ -189,6 +202,11 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
         if steps is not None and run.progress.step >= steps:
             raise _Stop
 
+    def load_sample(dataset: PerSampleSeeded, key: tuple[int, int]) -> Any:
+        if seen.stepping:
+            seen.sample_keys.append(tuple(key))
+        return originals["load_sample"](dataset, key)
+
     def log_train(run: TrainingRun, metrics: dict[str, float]) -> None:
         seen.logged_at.append(run.progress.step)
         seen.loss_logged = 0.0  # the loop has just reset its sums
@@ -199,6 +217,7 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
                                   ("log_train", log_train)):
             setattr(TrainingRun, name, replacement)
         train.compile_static = record_compile
+        PerSampleSeeded.__getitem__ = load_sample
         try:
             train.train(cfg, dist_info)
         except _Stop:
@@ -206,6 +225,7 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
         except UserError as error:
             seen.error = str(error)
         finally:
+            PerSampleSeeded.__getitem__ = originals.pop("load_sample")
             for name, original in originals.items():
                 setattr(TrainingRun, name, original)
             train.compile_static = compile_static
