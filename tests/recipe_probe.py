@@ -91,6 +91,7 @@ class Probe:
     compiled: list[Any] = field(default_factory=list)  # what the recipe handed compile_static
     inputs: list[torch.Tensor] = field(default_factory=list)  # every training forward's input, in order
     epochs: list[int] = field(default_factory=list)  # the epoch of each of them
+    steps: list[int] = field(default_factory=list)  # and the optimizer step it is part of (1 for the first)
     eval_inputs: list[torch.Tensor] = field(default_factory=list)  # every evaluation forward's input
     losses: list[float] = field(default_factory=list)  # per step: the loss summed over its samples
     gradients: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per step, by parameter name
@@ -170,6 +171,7 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
             module.eval()
         seen.inputs.append(args[0].detach().clone())
         seen.epochs.append(seen.run.progress.epoch)
+        seen.steps.append(seen.run.progress.step + 1)
 
     def steps_of(run: TrainingRun, micro_batches: Any) -> Iterator[Any]:
         if seen.micro_batches is None:

@@ -137,7 +137,11 @@ def test_the_samples_of_a_batch_draw_differently(recipe: str, tmp_path_factory: 
 def test_each_step_draws_differently_from_the_one_before(recipe: str,
                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
     seen = runs(recipe, tmp_path_factory)["whole"]
-    pairs = [(earlier[row], later[row]) for earlier, later in zip(seen.inputs, seen.inputs[1:])
+    by_step: dict[int, list[torch.Tensor]] = {}
+    for step, batch in zip(seen.steps, seen.inputs):
+        by_step.setdefault(step, []).append(batch)
+    steps = [torch.cat(batches) for _, batches in sorted(by_step.items())]  # a step's micro-batches together
+    pairs = [(earlier[row], later[row]) for earlier, later in zip(steps, steps[1:])
              for row in range(min(len(earlier), len(later)))]
     assert fraction_differing(pairs) >= MOSTLY, "a step's batch repeats the draws of the step before"
 

@@ -101,13 +101,21 @@ _probes: dict[str, dict[str, Probe]] = {}
 
 
 def probes(recipe: str, factory: pytest.TempPathFactory) -> dict[str, Probe]:
-    """The ``accumulated`` and ``one batch`` epochs of ``recipe``, made once."""
+    """The ``accumulated`` and ``one batch`` epochs of ``recipe``, made once, and for the recipes
+    whose last step may be short the ``whole epoch`` as one batch."""
     if recipe not in _probes:
         b = CASES[recipe][0]
         configs = Configs(recipe, factory.mktemp(f"{recipe}-equivalence"), overrides(recipe, factory))
         _probes[recipe] = {"accumulated": one_epoch(recipe, configs, b, 2 * b),
                            "one batch": one_epoch(recipe, configs, 2 * b, 0)}
+        if recipe in SHORT_LAST_STEP:
+            _probes[recipe]["whole epoch"] = one_epoch(recipe, configs, len(one_epoch_samples(_probes[recipe])), 0)
     return _probes[recipe]
+
+
+def one_epoch_samples(seen: dict[str, Probe]) -> list[torch.Tensor]:
+    """Every training input row of the one-batch epoch: its samples."""
+    return [row for batch in seen["one batch"].inputs for row in batch]
 
 
 def assert_same_gradients(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
@@ -132,17 +140,34 @@ def test_two_accumulated_micro_batches_give_the_gradient_of_one_batch_twice_as_l
 
 
 @pytest.mark.parametrize("recipe", SHORT_LAST_STEP)
-def test_a_short_last_step_weighs_each_of_its_samples_as_one_batch_of_them_would(
+def test_a_short_last_step_weighs_each_of_its_samples_as_a_full_step_does(
         recipe: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The epoch's last step of micro-batches [b, r] (r < b) against those b + r samples as one batch:
-    the micro-batches weigh b/(b+r) and r/(b+r), not 1/2 each."""
+    """An epoch's last step of micro-batches [b, r] (r < b) against the same samples as one short
+    batch, and every step of the epoch, each times its samples, against the whole epoch as one
+    batch: each sample weighs 1/n in its step of n samples, the micro-batches b/(b+r) and
+    r/(b+r), not 1/2 each, and the step's n is the samples it holds, not those of a full step."""
     seen = probes(recipe, tmp_path_factory)
-    accumulated, one_batch = seen["accumulated"], seen["one batch"]
-    last_micro_batches = [len(x) for x in accumulated.inputs[-2:]]
+    accumulated, one_batch, whole_epoch = seen["accumulated"], seen["one batch"], seen["whole epoch"]
     b = CASES[recipe][0]
+    last_micro_batches = [len(x) for x in accumulated.inputs[-2:]]
     assert last_micro_batches[0] == b and 0 < last_micro_batches[1] < b, f"no short last step: {last_micro_batches}"
     assert len(accumulated.gradients) == len(one_batch.gradients)
     assert_same_gradients(accumulated.gradients[-1], one_batch.gradients[-1], f"{recipe}, the short last step")
+    for name, cut in (("accumulated", accumulated), ("one batch", one_batch)):
+        assert_same_gradients(samples_times_gradients(cut), samples_times_gradients(whole_epoch),
+                              f"{recipe}, the steps of the {name} epoch added up")
+
+
+def samples_times_gradients(seen: Probe) -> dict[str, torch.Tensor]:
+    """The sum over the run's steps of (the step's samples x its gradient), in float64."""
+    samples = {}
+    for step, batch in zip(seen.steps, seen.inputs):
+        samples[step] = samples.get(step, 0) + len(batch)
+    total: dict[str, torch.Tensor] = {}
+    for step, gradients in enumerate(seen.gradients, start=1):
+        for name, gradient in gradients.items():
+            total[name] = total.get(name, 0) + samples[step] * gradient.double()
+    return total
 
 
 def _two_ranks(rank: int, cases: dict[str, list[str]], folder: Path) -> None:

@@ -143,6 +143,8 @@ def test_retention_keeps_the_newest_steps_and_the_best_as_it_moves(tmp_path: Pat
     run = train(tmp_path, [0.2, 0.5, 0.3, NAN, 0.6, 0.4, 0.1], keep_last=2)
     assert run.kept_steps == [5, 6, 7], "the best (step 5) and the 2 newest; earlier bests are pruned"
     assert run.best_step == 5
+    older_best = train(tmp_path / "older_best", [0.2, 0.9, 0.3, NAN, 0.6, 0.4, 0.1], keep_last=3)
+    assert older_best.kept_steps == [2, 5, 6, 7], "the best (step 2), older than the 3 newest, stays"
 
 
 # ---- the evaluation cadence: trainer.eval_every_epochs -----------------------------------------------
