@@ -10,11 +10,11 @@ Each check runs the recipe's real ``train()`` in this process (``tests/recipe_pr
 with the key as in the tiny test settings and changed, and compares one observable: the model's
 weights as built, the LR of every step of the run, the optimizer's groups, the sampler's order,
 the first training batch as the model received it, the first step's loss or gradients, an EMA
-after one update, the evaluation's inputs, the metrics a finished run reports, the files and
-settings of the run contract, or the one-line error a bad value gives. Probes are cheap (stopped
-when the loop asks for its first step, or after one or two): the base of each recipe and context
-is made once, and keys whose observable is a setting of their own (``run.checkpoints.keep_last``)
-share one probe with all of them changed.
+after two updates, the evaluation's inputs, the metrics a finished run reports, the settings of
+the run contract, or the one-line error a bad value gives. Probes are cheap (stopped when the
+loop asks for its first step, or after one to three): the base of each recipe and context is made
+once, and keys whose observable is a setting of their own (``run.checkpoints.keep_last``) share
+one probe with all of them changed.
 """
 
 from __future__ import annotations
@@ -456,7 +456,10 @@ def keys_of(recipe: str) -> list[str]:
 def test_every_schema_key_has_a_check_or_a_reason_it_has_no_effect_on_a_cpu() -> None:
     uncovered = [f"{recipe}:{key}" for recipe in RECIPES for key in keys_of(recipe) if check_of(recipe, key) is None]
     assert not uncovered, (f"{len(uncovered)} config key(s) without a check that changing them changes the run: "
-                           f"{', '.join(uncovered)}; add one to tests/test_config_keys.py")
+                           f"{', '.join(uncovered)}; add one to RECIPE_CHECKS in tests/test_config_keys.py (or the "
+                           f"reason there is none to NO_EFFECT_ON_A_CPU)")
+    untried = [recipe for recipe in RECIPES if recipe not in trained_runs.TINY]
+    assert not untried, f"no tiny settings to check {untried} with: add them to TINY in tests/trained_runs.py"
 
 
 def test_the_registry_names_only_keys_that_exist_and_observables_it_knows() -> None:
