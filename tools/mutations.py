@@ -4,7 +4,10 @@ exact source text it replaces, and the smallest set of tests that must catch it.
 The first ones are those issue 15's audit found the suite letting through (adapted to the
 checkpoint layout of issue 14); the others were chosen where a bug would cost users most: lost or
 repeated samples, a resume that silently differs, a checkpoint that cannot be loaded or is loaded
-damaged, metrics that depend on the number of ranks, and exit codes a cluster acts on.
+damaged, metrics that depend on the number of ranks, and exit codes a cluster acts on. Issue 28's
+are the bugs a run compared only with itself cannot show (it starts, finishes and resumes
+bit-exactly, but does not learn what its config says): a key that does nothing, accumulation that
+weighs samples unequally, randomness that repeats, rules that do not reset.
 """
 
 from __future__ import annotations
