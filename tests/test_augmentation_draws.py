@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pickle
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,13 @@ def one_image_data(recipe: str, factory: pytest.TempPathFactory) -> list[str]:
 
 
 _runs: dict[str, dict[str, Probe]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_probes() -> Iterator[None]:
+    """Probes hold models, inputs and gradients: let them go when this module's tests are done."""
+    yield
+    _runs.clear()
 
 
 def runs(recipe: str, factory: pytest.TempPathFactory) -> dict[str, Probe]:

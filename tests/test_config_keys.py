@@ -25,9 +25,10 @@ import sys
 import types
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -642,6 +643,13 @@ def checks_of(recipe: str) -> dict[str, Check | str]:
 
 
 _probes: dict[str, KeyProbes] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_probes() -> Iterator[None]:
+    """Probes hold models, inputs and gradients: let them go when this module's tests are done."""
+    yield
+    _probes.clear()
 
 
 def probes_of(recipe: str, factory: pytest.TempPathFactory) -> KeyProbes:

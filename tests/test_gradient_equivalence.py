@@ -31,6 +31,7 @@ its data here has no void (255) pixels and its crops no padding.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,13 @@ def one_epoch(recipe: str, configs: Configs, batch: int, global_batch: int) -> P
 
 
 _probes: dict[str, dict[str, Probe]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_probes() -> Iterator[None]:
+    """Probes hold models, inputs and gradients: let them go when this module's tests are done."""
+    yield
+    _probes.clear()
 
 
 def probes(recipe: str, factory: pytest.TempPathFactory) -> dict[str, Probe]:
