@@ -328,6 +328,7 @@ class TrainingRun:
         self.watch = NonfiniteWatch(dist_info.device)
         self.telemetry = StepTelemetry(dist_info.device, precision)
         self.progress = Progress()
+        self._step_zero_pending = False  # trainer.nonfinite=rollback: a fresh run saves step 0 before its first step
         self.logger: RunLogger | None = None
         self.loaded: LoadedCheckpoint | None = None
         self.provenance: dict[str, Any] | None = None  # this segment's record (rank 0), in every manifest it saves
@@ -408,8 +409,10 @@ class TrainingRun:
         self._clock = time.monotonic()
         self.telemetry.start_window()
         self.cadence.saved()  # the wall-clock interval starts now, as after a save
-        if self.nonfinite == "rollback" and self.loaded is None:
-            self.save()  # a rollback needs a finite checkpoint to go back to, from the first step on
+        # A rollback needs a finite checkpoint to go back to, from the first step on. It is saved when
+        # the loop asks for its first step: a recipe may hand over its optimizer only after resume()
+        # (dinov2_fsdp makes the one of the stage the progress says), and a save needs it.
+        self._step_zero_pending = self.nonfinite == "rollback" and self.loaded is None
         return self.progress
 
     def _record_provenance(self) -> None:
@@ -525,6 +528,9 @@ class TrainingRun:
         to come (``train/data_wait_frac``), counts the FLOPs of the step that needs counting
         (``train/mfu``) and traces the steps ``profile.*`` asks for."""
         plan, progress = self.plan, self.progress
+        if self._step_zero_pending:
+            self._step_zero_pending = False
+            self.save()
         extra = f" ({', '.join(f'{k} {v}' for k, v in progress.extra.items())})" if progress.extra else ""
         self._bar = self.logger.progress(plan.per_epoch, initial=plan.per_epoch - plan.steps_left(),
                                          description=f"epoch {progress.epoch + 1}/{plan.epochs}{extra}")

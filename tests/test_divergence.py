@@ -21,6 +21,7 @@ from common.errors import EXIT_DIVERGED
 from common.jsonfiles import NON_FINITE_KEY, dumps, write_json
 from common.loggers import METRICS_FILE
 from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe
+from tests.recipe_probe import Configs, probe, tiny_settings
 from tests.resume import PAUSE_HOOK
 
 RECIPE = "fashion_mnist"
@@ -192,3 +193,14 @@ def test_json_files_hold_null_for_what_is_not_finite_and_say_so(tmp_path: Path) 
     assert data["metrics"] == {"eval/loss": None, "eval/top1": 0.5} and data["curve"] == [1.0, None]
     assert data[NON_FINITE_KEY] == ["metrics.eval/loss", "curve[1]"]
     assert strict_load(dumps({"a": 1.0})) == {"a": 1.0}
+
+
+@pytest.mark.parametrize("recipe", ["fashion_mnist", "cifar100_resnet50", "timm_imagenet", "tv_segmentation",
+                                    "fungitastic", "dinov2_fsdp"])
+def test_a_fresh_run_that_may_roll_back_checkpoints_step_0_before_its_first_step(
+        recipe: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """dinov2_fsdp makes its optimizer after resume() (the stage's): the step-0 save must wait for it."""
+    configs = Configs(recipe, tmp_path_factory.mktemp(recipe), tiny_settings(recipe, tmp_path_factory))
+    seen = probe(recipe, configs("trainer.nonfinite=rollback"), steps=1)
+    assert seen.error is None and seen.losses, "the first step did not run"
+    assert [found.step for found in committed_checkpoints(seen.cfg.checkpoint.dir)] == [0]

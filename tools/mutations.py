@@ -4,7 +4,10 @@ exact source text it replaces, and the smallest set of tests that must catch it.
 The first ones are those issue 15's audit found the suite letting through (adapted to the
 checkpoint layout of issue 14); the others were chosen where a bug would cost users most: lost or
 repeated samples, a resume that silently differs, a checkpoint that cannot be loaded or is loaded
-damaged, metrics that depend on the number of ranks, and exit codes a cluster acts on.
+damaged, metrics that depend on the number of ranks, and exit codes a cluster acts on. Issue 28's
+are the bugs a run compared only with itself cannot show (it starts, finishes and resumes
+bit-exactly, but does not learn what its config says): a key that does nothing, accumulation that
+weighs samples unequally, randomness that repeats, rules that do not reset.
 """
 
 from __future__ import annotations
@@ -23,6 +26,13 @@ class Mutation:
 
 
 CHAIN = "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact"
+KEY = "tests/test_config_keys.py::test_changing_a_key_changes_what_it_should"
+EQUIVALENCE = "tests/test_gradient_equivalence.py::"
+ACCUMULATED = f"{EQUIVALENCE}test_two_accumulated_micro_batches_give_the_gradient_of_one_batch_twice_as_large"
+SHORT_LAST_STEP = f"{EQUIVALENCE}test_a_short_last_step_weighs_each_of_its_samples_as_a_full_step_does"
+TWO_RANKS = f"{EQUIVALENCE}test_two_ranks_give_the_gradient_of_one_rank_with_the_same_global_batch"
+DRAWS = "tests/test_augmentation_draws.py::"
+RULES = "tests/test_run_rules.py::"
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -277,5 +287,207 @@ MUTATIONS: list[Mutation] = [
         "                self.console(self.compile_cache.restore(self.loaded))", "                pass",
         ("tests/test_compile_cache.py::test_a_resumed_compiled_run_does_not_compile_again",),
         "every requeued or cycled compiled run compiles again from scratch (minutes on a GPU)",
+    ),
+    # ---- issue 28: the run starts, finishes and resumes bit-exactly, but does not learn what the config says
+    # a config key that silently does nothing, in each recipe and in the run contract
+    Mutation(
+        "fashion-mnist-horizontal-flip-ignored", "recipes/fashion_mnist/train.py",
+        "cfg.data.horizontal_flip, generator, fill=BLACK)", "False, generator, fill=BLACK)",
+        (f"{KEY}[fashion_mnist-data.horizontal_flip]",),
+        "data.horizontal_flip=true trains on unflipped images",
+    ),
+    Mutation(
+        "cifar100-rotation-ignored", "recipes/cifar100_resnet50/data.py",
+        "        if cfg.rotation_degrees > 0:", "        if False:",
+        (f"{KEY}[cifar100_resnet50-data.rotation_degrees]",),
+        "data.rotation_degrees rotates nothing",
+    ),
+    Mutation(
+        "timm-random-erasing-count-ignored", "recipes/timm_imagenet/data.py",
+        "max_count=cfg.re_count", "max_count=1",
+        (f"{KEY}[timm_imagenet-data.re_count]",),
+        "data.re_count erases one rectangle per image whatever it says",
+    ),
+    Mutation(
+        "tv-segmentation-flip-probability-ignored", "recipes/tv_segmentation/data.py",
+        "A.HorizontalFlip(p=cfg.hflip_prob)", "A.HorizontalFlip(p=0.5)",
+        (f"{KEY}[tv_segmentation-data.hflip_prob]",),
+        "data.hflip_prob flips half of the images whatever it says",
+    ),
+    Mutation(
+        "fungitastic-class-weights-ignored", "recipes/fungitastic/train.py",
+        "weight=self.class_weights.get(level)", "weight=None",
+        (f"{KEY}[fungitastic-loss.class_weighted_levels]",),
+        "loss.class_weighted_levels leaves the loss unweighted: rare species count as little as before",
+    ),
+    Mutation(
+        "dinov2-finetune-lr-ratio-ignored", "recipes/dinov2_fsdp/train.py",
+        "lr, steps = probe_lr * cfg.stages.finetune_lr_ratio, plan.total - probe_steps",
+        "lr, steps = probe_lr, plan.total - probe_steps",
+        (f"{KEY}[dinov2_fsdp-stages.finetune_lr_ratio]",),
+        "the fine-tune stage trains the whole backbone at the probe's LR",
+    ),
+    Mutation(
+        "keep-last-ignored", "common/run.py",
+        "else checkpoint.keep_last,", "else 2,",
+        (f"{KEY}[fashion_mnist-checkpoint.keep_last]",),
+        "checkpoint.keep_last keeps 2 checkpoints whatever it says",
+    ),
+    # gradient accumulation: each micro-batch's loss weighted by its share of the step's samples
+    Mutation(
+        "fashion-mnist-micro-batches-weighted-alike", "recipes/fashion_mnist/train.py",
+        "scaler.scale(loss * (len(batch) / group.samples)).backward()", "scaler.scale(loss / len(group)).backward()",
+        (f"{SHORT_LAST_STEP}[fashion_mnist]",),
+        "an epoch's short last step over-weighs the samples of its short micro-batch",
+    ),
+    Mutation(
+        "cifar100-accumulated-losses-summed", "recipes/cifar100_resnet50/train.py",
+        "scaler.scale(loss * (len(batch) / group.samples)).backward()", "scaler.scale(loss).backward()",
+        (f"{ACCUMULATED}[cifar100_resnet50]",),
+        "with accumulation the gradient is k times the global batch's: the LR is in effect k times larger",
+    ),
+    Mutation(
+        "timm-accumulated-losses-summed", "recipes/timm_imagenet/train.py",
+        "scaler.scale(loss * (len(labels) / group.samples)).backward()", "scaler.scale(loss).backward()",
+        (f"{ACCUMULATED}[timm_imagenet]",),
+        "with accumulation the gradient is k times the global batch's: the LR is in effect k times larger",
+    ),
+    Mutation(
+        "tv-segmentation-accumulated-losses-summed", "recipes/tv_segmentation/train.py",
+        "scaler.scale(loss * (len(images) / group.samples)).backward()", "scaler.scale(loss).backward()",
+        (f"{ACCUMULATED}[tv_segmentation]",),
+        "with accumulation the gradient is k times the global batch's: the LR is in effect k times larger",
+    ),
+    Mutation(
+        "fungitastic-micro-batches-weighted-alike", "recipes/fungitastic/train.py",
+        "scaler.scale(loss * (len(labels) / group.samples)).backward()", "scaler.scale(loss / len(group)).backward()",
+        (f"{SHORT_LAST_STEP}[fungitastic]",),
+        "an epoch's short last step over-weighs the samples of its short micro-batch",
+    ),
+    Mutation(
+        "dinov2-micro-batches-weighted-alike", "recipes/dinov2_fsdp/train.py",
+        "(loss * (len(batch) / group.samples)).backward()", "(loss / len(group)).backward()",
+        (f"{SHORT_LAST_STEP}[dinov2_fsdp]",),
+        "an epoch's short last step over-weighs the samples of its short micro-batch",
+    ),
+    Mutation(
+        "short-step-counted-as-full", "common/steps.py",
+        "samples = min(count * self.micro_batch, samples_left)", "samples = count * self.micro_batch",
+        (f"{SHORT_LAST_STEP}[cifar100_resnet50]",),
+        "an epoch's short last step is scaled as a full one: its gradient is too small",
+    ),
+    Mutation(
+        "ranks-never-reduce-gradients", "common/distributed.py",
+        "    if sync or not isinstance(model, torch.nn.parallel.DistributedDataParallel):",
+        "    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):",
+        (f"{TWO_RANKS}[fashion_mnist]",),
+        "under DDP every rank steps with its own gradient: the ranks' models drift apart",
+    ),
+    # the sampler's epoch seed
+    Mutation(
+        "sampler-order-ignores-the-epoch", "common/sampler.py",
+        "generator.manual_seed(self.seed * 1_000_003 + epoch)", "generator.manual_seed(self.seed * 1_000_003)",
+        (f"{DRAWS}test_the_sampler_orders_each_epoch_differently[fashion_mnist]",),
+        "every epoch visits the samples in the first epoch's order",
+    ),
+    Mutation(
+        "repeated-augmentation-order-ignores-the-epoch", "recipes/timm_imagenet/sampler.py",
+        "generator.manual_seed(self.seed * 1_000_003 + epoch)", "generator.manual_seed(self.seed * 1_000_003)",
+        (f"{DRAWS}test_timm_repeated_augmentation_orders_each_epoch_differently",),
+        "with repeated augmentation every epoch uses the same third of the images, in the same order",
+    ),
+    Mutation(
+        "epoch-not-handed-to-the-sampler", "common/run.py",
+        "self.sampler.set_epoch(self.progress.epoch)", "self.sampler.set_epoch(0)",
+        (f"{DRAWS}test_the_sampler_orders_each_epoch_differently[timm_imagenet]",),
+        "every epoch repeats the first one's order and augmentation",
+    ),
+    # the augmentation's seed
+    Mutation(
+        "per-sample-augmentation-ignores-the-epoch", "common/data.py",
+        "with seeded_global_rng(self.seed, epoch, index):", "with seeded_global_rng(self.seed, index):",
+        (f"{DRAWS}test_a_sample_draws_differently_in_each_epoch[timm_imagenet]",),
+        "each image gets the same crop, flip and policy every epoch: augmentation adds nothing after epoch 1",
+    ),
+    Mutation(
+        "per-sample-augmentation-ignores-the-sample", "common/data.py",
+        "with seeded_global_rng(self.seed, epoch, index):", "with seeded_global_rng(self.seed, epoch):",
+        (f"{DRAWS}test_the_samples_of_a_batch_draw_differently[fungitastic]",),
+        "every image of an epoch gets the same crop, flip and policy",
+    ),
+    Mutation(
+        "fashion-mnist-augmentation-ignores-the-step", "recipes/fashion_mnist/train.py",
+        "generator = seeded_generator(device, cfg.seed, progress.step, dist_info.rank)",
+        "generator = seeded_generator(device, cfg.seed, 0, dist_info.rank)",
+        (f"{DRAWS}test_each_step_draws_differently_from_the_one_before[fashion_mnist]",),
+        "every step crops and flips its batch's rows alike",
+    ),
+    Mutation(
+        "dinov2-augmentation-ignores-the-step", "recipes/dinov2_fsdp/train.py",
+        "generator = seeded_generator(device, cfg.seed, progress.step, dist_info.rank)",
+        "generator = seeded_generator(device, cfg.seed, 0, dist_info.rank)",
+        (f"{DRAWS}test_each_step_draws_differently_from_the_one_before[dinov2_fsdp]",),
+        "every step crops and flips its batch's rows alike",
+    ),
+    Mutation(
+        "tv-segmentation-augmentation-seed-fixed", "recipes/tv_segmentation/data.py",
+        "seed = random.getrandbits(64)", "seed = 0",
+        (f"{DRAWS}test_the_samples_of_a_batch_draw_differently[tv_segmentation]",),
+        "every image gets the same scale, flip and crop, every epoch",
+    ),
+    # rules with a reset, and the best
+    Mutation(
+        "early-stopping-count-never-restarts", "common/run.py",
+        "progress.best_value, progress.evals_without_improvement = value, 0", "progress.best_value = value",
+        (f"{RULES}test_the_patience_count_restarts_after_every_improvement",),
+        "early stopping stops a run that is still improving, counting evaluations from before its last best",
+    ),
+    Mutation(
+        "a-plateau-improves", "common/checkpoint.py",
+        'return best is None or (value > best if mode == "max" else value < best)',
+        'return best is None or (value >= best if mode == "max" else value <= best)',
+        (f"{RULES}test_early_stopping_waits_for_patience_evaluations_in_a_row_without_a_better_value",
+         f"{RULES}test_every_new_best_is_force_and_the_summary_names_the_last_of_them[plateau]"),
+        "a plateau never triggers early stopping, and every equal value is kept as a new best",
+    ),
+    Mutation(
+        "best-mode-ignored", "common/checkpoint.py",
+        'return best is None or (value > best if mode == "max" else value < best)',
+        "return best is None or value > best",
+        (f"{RULES}test_every_new_best_is_force_and_the_summary_names_the_last_of_them[falling-min]",),
+        "checkpoint.best_mode=min keeps the checkpoint with the highest loss",
+    ),
+    Mutation(
+        "a-nan-metric-improves", "common/checkpoint.py",
+        "if value is None or not math.isfinite(value):", "if value is None:",
+        (f"{RULES}test_a_nan_evaluation_never_improves_not_even_the_first",),
+        "a run whose first evaluation is NaN never finds a better checkpoint and stops early",
+    ),
+    Mutation(
+        "force-follows-only-the-first-value", "common/checkpoint.py",
+        "        self._best_value = value\n        return True",
+        "        self._best_value = value if self._best_value is None else self._best_value\n        return True",
+        (f"{RULES}test_every_new_best_is_force_and_the_summary_names_the_last_of_them[rising]",),
+        "every checkpoint better than the first is _force: the ISC ships and keeps them all",
+    ),
+    Mutation(
+        "best-checkpoint-is-the-last-finite-one", "common/checkpoint.py",
+        "            best, best_value = found_dir, value", "            best = found_dir",
+        (f"{RULES}test_every_new_best_is_force_and_the_summary_names_the_last_of_them[rising]",),
+        "summary.json, make eval WHICH=best and retention take the newest checkpoint with a metric for the best",
+    ),
+    # retention, and the evaluation cadence
+    Mutation(
+        "retention-drops-the-best", "common/checkpoint.py",
+        "            keep.add(best.path)", "            pass",
+        (f"{RULES}test_retention_keeps_the_newest_steps_and_the_best_as_it_moves",),
+        "the best checkpoint is deleted once keep_last newer ones exist",
+    ),
+    Mutation(
+        "evaluation-every-epoch", "common/run.py",
+        "metrics = evaluate() if self.progress.epoch % self.eval_every_epochs == 0 else None",
+        "metrics = evaluate()",
+        (f"{RULES}test_evaluations_come_every_eval_every_epochs_and_at_the_end",),
+        "trainer.eval_every_epochs is ignored: a long evaluation runs after every epoch",
     ),
 ]

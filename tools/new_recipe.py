@@ -4,7 +4,8 @@ Copies ``recipes/<from>/``, ``conf/<from>.yaml``, ``conf/experiment/<from>_*.yam
 space ``conf/search/<from>.yaml``, ``data_prep/<from>.py``, ``tests/test_<from>*.py`` and the cluster files
 ``cluster/slurm/<from>.sbatch`` and ``cluster/isc/<from>.isc`` (every recipe has both, and the
 suite checks that), renaming the recipe everywhere in them (module paths, config and schema
-names, class-name prefixes), so the copy's tests and the whole suite pass as they are. Nothing
+names, class-name prefixes), so the copy's tests pass as they are. The whole suite then asks for
+checks of the new schema's keys (``tests/test_config_keys.py``, README "Adding a recipe"). Nothing
 existing is overwritten.
 """
 
@@ -93,7 +94,8 @@ def main() -> None:
     for path in written:
         print(f"  created {path.relative_to(REPO)}")
     print(f"\nnew recipe {args.name!r}: try `make test PYTEST_ARGS=tests/test_{args.name}.py` "
-          f"and `make train-{args.name}`")
+          f"and `make train-{args.name}`; then give its config keys their checks in tests/test_config_keys.py "
+          f"(start from {args.source}'s) and its tiny settings in tests/trained_runs.py")
 
 
 if __name__ == "__main__":

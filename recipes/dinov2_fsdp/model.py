@@ -156,7 +156,9 @@ def _timm_backbone(cfg: ModelConfig, pretrained: bool) -> nn.Module:
     except Exception as error:
         if load and weights is None:  # fetched from the hub: offline, missing repository, auth
             raise _unreachable(cfg, error) from error
-        if isinstance(error, RuntimeError):  # unknown model name, or weights that do not fit the architecture
+        # an unknown model name (RuntimeError; ValueError for a name that looks like a hub id in newer
+        # timm), or weights that do not fit the architecture
+        if isinstance(error, (RuntimeError, ValueError)):
             raise UserError(f"cannot build timm model {cfg.name!r}: {str(error).splitlines()[0]}") from error
         raise
 

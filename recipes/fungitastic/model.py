@@ -10,6 +10,7 @@ species head.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import timm
@@ -44,12 +45,20 @@ class TaxonomyClassifier(nn.Module):
 def size_kwargs(name: str, image_size: int) -> dict[str, int]:
     """``{"img_size": image_size}`` for a timm model built for one input size (a ViT); ``{}`` for one
     that takes any size (a convolutional network has no ``img_size`` argument)."""
+    return {"img_size": image_size} if _takes_img_size(name, image_size) else {}
+
+
+@functools.cache
+def _takes_img_size(name: str, image_size: int) -> bool:
+    """Asked once per name and size: building even on the meta device initialises every tensor
+    (a tenth of a second for a tiny ViT, seconds for BEiT-B), and training, each split's evaluation
+    and the export ask again."""
     try:
         with torch.device("meta"):  # only the arguments are checked: no weights are made
             timm.create_model(name, pretrained=False, num_classes=0, img_size=image_size)
     except TypeError:
-        return {}
-    return {"img_size": image_size}
+        return False
+    return True
 
 
 def create_backbone(cfg: ModelConfig, image_size: int) -> nn.Module:
@@ -100,8 +109,16 @@ def input_normalization(cfg: ModelConfig, image_size: int) -> tuple[tuple[float,
     elif cfg.pretrained and not Path(cfg.pretrained).exists() and is_hub_name(cfg.pretrained):
         pretrained_cfg = _hub_model(cfg.pretrained, pretrained=False).pretrained_cfg
     if pretrained_cfg is None:
-        with torch.device("meta"):
-            pretrained_cfg = create_backbone(cfg, image_size).pretrained_cfg
+        return _architecture_normalization(cfg.name, image_size)
+    return tuple(pretrained_cfg["mean"]), tuple(pretrained_cfg["std"])
+
+
+@functools.cache
+def _architecture_normalization(name: str, image_size: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The mean and std of ``name``'s own pretrained config, from a model on the meta device, once per
+    name and size (see :func:`_takes_img_size`)."""
+    with torch.device("meta"):
+        pretrained_cfg = create_backbone(ModelConfig(name=name, pretrained=""), image_size).pretrained_cfg
     return tuple(pretrained_cfg["mean"]), tuple(pretrained_cfg["std"])
 
 
