@@ -14,6 +14,7 @@ SOURCE ?=
 WEIGHTS ?=
 EXPERIMENT ?=
 PYTEST_ARGS ?=
+WORKERS ?= auto
 RUN ?=
 WHICH ?=
 SPLIT ?=
@@ -78,8 +79,8 @@ export: $(STAMP) FORCE ## Weights as safetensors + metadata.json: RUN=<run dir> 
 lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
 	$(VENV)/bin/ruff check .
 
-test: lint ## Lint, then run the test suite (CPU, offline)
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: lint ## Lint, then run the test suite on every core (CPU, offline; WORKERS=n, PYTEST_ARGS=...)
+	$(PY) -m pytest -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 stress-exit: $(STAMP) ## Launch two kinds of 2-rank run TIMES times each (default 30): none may abort at exit (not in make test)
 	$(PY) -m tests.stress_exit --runs "$(or $(TIMES),30)"

@@ -144,6 +144,14 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
                                     f"stderr:\n{result.stderr[-3000:]}")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``), the tests of the local SLURM clusters run in one worker,
+    which starts each cluster once and never two at the same moment."""
+    for item in items:
+        if {"slurm_env", "multinode_slurm"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

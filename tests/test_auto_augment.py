@@ -46,13 +46,14 @@ def one_by_one(policy: v2.Transform, images: torch.Tensor, seed: int) -> torch.T
     return torch.stack([policy(image) for image in images])
 
 
-@pytest.mark.parametrize("name", POLICIES)
-@pytest.mark.parametrize("height, width", [(32, 32), (41, 57)])
+@pytest.mark.parametrize(("name", "height", "width"), [*((name, 41, 57) for name in POLICIES),
+                                                       ("TrivialAugmentWide", 32, 32)])
 def test_a_fixed_seed_gives_torchvision_s_images(name: str, height: int, width: int) -> None:
     """The same draws from the same generator, and each op computed as torchvision computes it on
-    uint8: equal images, but for a grey level where float rounding differs."""
+    uint8: equal images, but for a grey level where float rounding differs. 150 images draw every
+    op of each policy several times; a non-square size checks each geometric op's centre."""
     ours, theirs = POLICIES[name]
-    images = photos(300, height, width)
+    images = photos(150, height, width)
     difference = (batched(ours, images, seed=5).int() - one_by_one(theirs, images, seed=5).int()).abs()
     assert difference.max() <= 1 and (difference > 0).float().mean() < 1e-4, \
         f"{name}: {int((difference > 0).sum())} pixels differ, by up to {int(difference.max())}"
@@ -62,7 +63,7 @@ def test_a_fixed_seed_gives_torchvision_s_images(name: str, height: int, width: 
 def test_the_images_follow_torchvision_s_distribution(name: str) -> None:
     """Independent seeds: per-image statistics of ours and torchvision's come from one distribution."""
     ours, theirs = POLICIES[name]
-    images = photos(1500, 24, 24, seed=1)
+    images = photos(1000, 24, 24, seed=1)
     mine, reference = batched(ours, images, seed=11).float(), one_by_one(theirs, images, seed=12).float()
     moved = mine - images.float()
     for statistic, of in {

@@ -103,6 +103,17 @@ def train_files(p: Probe) -> list[str]:
     return sorted(map(str, dataset.paths))
 
 
+def profiled_steps(p: Probe) -> list[str]:
+    """The optimizer steps the traces under ``<run_dir>/profile/`` hold, by file."""
+    import gzip
+    import json
+
+    traces = sorted((Path(p.run.run_dir) / "profile").glob("*.pt.trace.json.gz"))
+    return [(trace.name, sorted({event["name"] for event in json.loads(gzip.decompress(trace.read_bytes()))
+                                 ["traceEvents"] if event.get("name", "").startswith("ProfilerStep#")}))
+            for trace in traces]
+
+
 def wandb_init(name: str) -> Callable[[Probe], Any]:
     return lambda p: p.wandb_init[name]
 
@@ -123,6 +134,7 @@ OBSERVABLES: dict[str, tuple[str, Callable[[Probe], Any]]] = {
     "first loss": (STEP, lambda p: p.losses[0]),
     "first gradients": (STEP, lambda p: p.gradients[0]),
     "logged at": (TWO_STEPS, lambda p: p.logged_at),
+    "profiled steps": (THREE_STEPS, profiled_steps),
     # timm's EMA copies the weights at its first update and averages from the second on
     "ema after two updates": (THREE_STEPS, lambda p: p.run.extra_state["ema"].state_dict()),
     "eval batches": (FINISH, lambda p: p.eval_inputs),
@@ -209,6 +221,7 @@ CHANNELS_FIRST = ("trainer.channels_last=false",)
 RANDAUGMENT = ("data.auto_augment=randaugment",)
 MULTISTEP = ("optim.sched=multistep",)
 FINE_TUNE = ("stages.probe_epochs=0",)  # dinov2_fsdp starts in its fine-tune stage
+PROFILED = ("profile.enabled=true", "profile.start_step=1", "profile.active_steps=1")
 SAME_RUN_DIR = ("run_dir={tmp}/same",)  # the folders that default to ${run_dir}/... then differ by their key alone
 
 # Keys every recipe has (common/config.py), and the same idea under the same name where recipes share it.
@@ -241,6 +254,10 @@ CHECKS: dict[str, Check] = {
     "trainer.nonfinite": check("run.nonfinite", "trainer.nonfinite=rollback"),
     "trainer.rollback_lr_factor": check("run.rollback_lr_factor", "trainer.rollback_lr_factor=0.5"),
     "trainer.max_rollbacks": check("run.max_rollbacks", "trainer.max_rollbacks=7"),
+    # profile: traces of chosen steps
+    "profile.enabled": check("profiled steps", "profile.enabled=true", context=PROFILED[1:]),
+    "profile.start_step": check("profiled steps", "profile.start_step=2", context=PROFILED),
+    "profile.active_steps": check("profiled steps", "profile.active_steps=2", context=PROFILED),
     # checkpoint: where, how often, what is kept
     "checkpoint.dir": check("run.checkpoints.directory", "checkpoint.dir={tmp}/checkpoints", context=SAME_RUN_DIR),
     "checkpoint.every_steps": check("run.cadence.every_steps", "checkpoint.every_steps=5"),
@@ -429,6 +446,12 @@ NO_EFFECT_ON_A_CPU: dict[str, str] = {
               "before any work (tests/test_distributed.py::test_asking_for_cuda_without_a_gpu_is_a_user_error)",
     "trainer.deterministic": "switches CUDA's deterministic kernels, cuDNN autotuning and TF32; every CPU run is "
                              "deterministic already (the switches: tests/test_determinism.py)",
+    "trainer.collective_timeout_s": "how long a rank waits in a collective before the run is declared hung; one "
+                                    "process waits for no other (2 ranks: tests/test_hangs.py)",
+    "profile.memory": "records CUDA allocations; a run on a CPU says in one line that it has none to record "
+                      "(tests/test_profiling.py)",
+    "profile.memory_on_oom": "records CUDA allocations for CUDA's out-of-memory error; the error's line is "
+                             "tests/test_records.py's",
     "checkpoint.sync_every_steps": "how often several ranks agree on saving and stopping; one process agrees with "
                                    "itself every step whatever it says (2 ranks: tests/test_distributed.py::"
                                    "test_two_gloo_ranks_reduce_exactly_and_agree_when_to_stop)",

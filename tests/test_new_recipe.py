@@ -48,17 +48,22 @@ def test_new_recipe_round_trip(tmp_path: Path) -> None:
         text = (sandbox / path).read_text()
         assert "recipes.demo_copy.train" in text and "fashion_mnist" not in text, path
 
-    # The copy's multi-process tests (and a second single-process chain) are the original's, already
-    # run by this suite; the rest run here, and so do the suite's checks that every recipe has its
-    # cluster files, which pass as they did before the copy (the copied sbatch file is also linted).
-    multi_process = [f"--deselect=tests/test_demo_copy.py::{name}" for name in (
+    # What the copy changes is its names: its end-to-end run, one resume chain, its one-line errors and
+    # its config run here, and so do the suite's checks that every recipe has its cluster files,
+    # which pass as they did before the copy (the copied sbatch file is also linted). Its other tests
+    # (multi-process chains, seeds, precisions) are the original's code under another name, which
+    # this suite already runs.
+    already_run = [f"--deselect=tests/test_demo_copy.py::{name}" for name in (
         "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact[2-SIGUSR1]",
         "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact[1-SIGUSR1-killed-at-an-epoch-end]",
         "test_gradient_accumulation_keeps_the_effective_batch_on_fewer_ranks",
         "test_a_finished_run_extended_on_another_number_of_ranks_continues",
+        "test_same_seed_same_digest_and_another_seed_differs",
+        "test_mixed_precision_runs_and_resumes[bf16]",
+        "test_mixed_precision_runs_and_resumes[fp16]",
     )]
     tests = subprocess.run([sys.executable, "-m", "pytest", "-x", "-v", "-p", "no:cacheprovider",
-                            "tests/test_demo_copy.py", *multi_process, "tests/test_isc.py", "tests/test_cluster.py",
+                            "tests/test_demo_copy.py", *already_run, "tests/test_isc.py", "tests/test_cluster.py",
                             "-k", "test_demo_copy or every_recipe or demo_copy.isc or demo_copy.sbatch"],
                            cwd=sandbox, env=recipe_env(), capture_output=True, text=True, timeout=900)
     assert tests.returncode == 0, tests.stdout[-4000:]

@@ -485,8 +485,8 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "evaluation-every-epoch", "common/run.py",
-        "metrics = evaluate() if self.progress.epoch % self.eval_every_epochs == 0 else None",
-        "metrics = evaluate()",
+        "metrics = self._evaluate(evaluate) if self.progress.epoch % self.eval_every_epochs == 0 else None",
+        "metrics = self._evaluate(evaluate)",
         (f"{RULES}test_evaluations_come_every_eval_every_epochs_and_at_the_end",),
         "trainer.eval_every_epochs is ignored: a long evaluation runs after every epoch",
     ),
