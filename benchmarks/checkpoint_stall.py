@@ -28,7 +28,7 @@ import torchvision
 
 from benchmarks.results import Result
 from common.checkpoint import CheckpointManager
-from common.rng import rng_state
+from common.pytorch.rng import rng_state
 from common.run import Progress
 
 BENCHMARK = "checkpoint stall (ResNet-50 + SGD momentum)"

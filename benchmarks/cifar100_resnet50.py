@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.results import Result
-from common.determinism import configure_determinism
-from common.distributed import init_distributed
 from common.entry import compose_config
-from common.precision import autocast
+from common.pytorch.determinism import configure_determinism
+from common.pytorch.distributed import init_distributed
+from common.pytorch.precision import autocast
 from data_prep import cifar100_resnet50 as prep
 from data_prep.files import file_digest
 from recipes.cifar100_resnet50.train import train as train_recipe

@@ -33,10 +33,10 @@ from PIL import Image
 from torch.utils.data import default_collate
 
 from benchmarks.results import Result
-from common.data import PerSampleSeeded
+from common.data.image_batches import Normalize, random_crop_and_flip
+from common.data.loaders import PerSampleSeeded
 from common.entry import compose_config
-from common.image_batches import Normalize, random_crop_and_flip
-from common.rng import seeded_generator
+from common.pytorch.rng import seeded_generator
 from recipes.tv_segmentation.coco import voc_palette
 from tools.tiny_data import photo, write_cifar100_tarball, write_fashion_mnist
 
@@ -102,7 +102,7 @@ def fashion_mnist(workdir: Path) -> Pipeline:
 def cifar100_resnet50(workdir: Path) -> Pipeline:
     import tarfile
 
-    from common.cifar100 import load_split
+    from common.data.cifar100 import load_split
     from recipes.cifar100_resnet50.data import MEAN, STD, BatchAugmentation
     from recipes.cifar100_resnet50.model import build_model
 
@@ -145,7 +145,7 @@ def dinov2_fsdp(workdir: Path) -> Pipeline:
 def timm_imagenet(workdir: Path) -> Pipeline:
     import timm
 
-    from common.images import TrainImages, collate_train
+    from common.data.images import TrainImages, collate_train
     from recipes.timm_imagenet.data import resolve, train_augmentation
 
     rng = np.random.default_rng(0)
@@ -193,7 +193,7 @@ def tv_segmentation(workdir: Path) -> Pipeline:
 def fungitastic(workdir: Path) -> Pipeline:
     import timm
 
-    from common.images import TrainImages, collate_train
+    from common.data.images import TrainImages, collate_train
     from recipes.fungitastic.data import train_augmentation
 
     rng = np.random.default_rng(0)

@@ -20,8 +20,8 @@ from PIL import Image
 
 from benchmarks.results import Result
 from common.config import Decode
-from common.data import PerSampleSeeded
-from common.images import ResizedImages, TrainImages
+from common.data.images import ResizedImages, TrainImages
+from common.data.loaders import PerSampleSeeded
 from recipes.fungitastic.config import DataConfig
 from recipes.fungitastic.data import train_augmentation
 

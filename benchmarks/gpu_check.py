@@ -75,8 +75,8 @@ import torch  # noqa: E402
 
 from benchmarks.results import Result  # noqa: E402
 from benchmarks.run import HAND_END, RESULTS_FILE, format_value  # noqa: E402
-from common.determinism import CUBLAS_WORKSPACE  # noqa: E402
 from common.errors import EXIT_PREEMPTED  # noqa: E402
+from common.pytorch.determinism import CUBLAS_WORKSPACE  # noqa: E402
 from common.run_lock import LOCK_FILE  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -346,7 +346,7 @@ def step_line(site: str, step: set[int]) -> int | None:
 def trace_syncs(recipe: str, syncs_file: Path, overrides: list[str]) -> None:
     """Run a recipe as ``python -m recipes.<r>.train`` would, with CUDA's sync debug mode on from
     the moment the process has its GPU, recording where each sync comes from in ``train.py``."""
-    import common.distributed
+    import common.pytorch.distributed
 
     train_py = str(REPO / "recipes" / recipe / "train.py")
     sites: Counter[str] = Counter()
@@ -360,15 +360,15 @@ def trace_syncs(recipe: str, syncs_file: Path, overrides: list[str]) -> None:
     show_warning = warnings.showwarning
     warnings.showwarning = record
     warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
-    start_distributed = common.distributed.init_distributed
+    start_distributed = common.pytorch.distributed.init_distributed
 
-    def init_then_trace(*args, **kwargs) -> common.distributed.DistInfo:  # noqa: ANN002, ANN003
+    def init_then_trace(*args, **kwargs) -> common.pytorch.distributed.DistInfo:  # noqa: ANN002, ANN003
         info = start_distributed(*args, **kwargs)
         if info.device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
         return info
 
-    common.distributed.init_distributed = init_then_trace
+    common.pytorch.distributed.init_distributed = init_then_trace
     atexit.register(lambda: syncs_file.write_text(json.dumps(dict(sites))))
     sys.argv = [f"recipes.{recipe}.train", *overrides]
     runpy.run_module(f"recipes.{recipe}.train", run_name="__main__", alter_sys=True)
@@ -423,7 +423,7 @@ def check_sync_batchnorm(device: str, work: Path) -> str:
     """Two ranks with half a batch each give the gradients BatchNorm gives over the whole batch."""
     import torch.multiprocessing as mp
 
-    from common.distributed import free_port
+    from common.pytorch.distributed import free_port
 
     work.mkdir(parents=True)
     mp.spawn(_sync_batchnorm_worker, args=(free_port(), device, work), nprocs=2, join=True)
@@ -473,7 +473,7 @@ def check_batchnorm_syncs() -> str:
     sync debug mode set to raise."""
     import torch.multiprocessing as mp
 
-    from common.distributed import free_port
+    from common.pytorch.distributed import free_port
 
     mp.spawn(_batchnorm_syncs_worker, args=(free_port(),), nprocs=1, join=True)
     return "AllReduceBatchNorm: forward and backward on NCCL without a host sync"
@@ -486,8 +486,8 @@ def check_nvjpeg(work: Path) -> str:
     """timm_imagenet's ``data.decode=gpu``: nvjpeg decodes (the worker decodes what nvjpeg cannot:
     greyscale, CMYK, a PNG named .JPEG) and crops as the CPU path does, to a few grey levels."""
     from common.config import Decode
-    from common.data import PerSampleSeeded
-    from common.images import DeviceTrainInput, TrainAugmentation, TrainImages, collate_train
+    from common.data.images import DeviceTrainInput, TrainAugmentation, TrainImages, collate_train
+    from common.data.loaders import PerSampleSeeded
     from tools.tiny_data import write_jpeg_cases
 
     cases = write_jpeg_cases(work)
@@ -518,7 +518,7 @@ def check_decode_under_load(work: Path, figures: list[Result]) -> str:
     import statistics
 
     from common.config import Decode
-    from common.images import DeviceTrainInput, TrainAugmentation, decode, read_file
+    from common.data.images import DeviceTrainInput, TrainAugmentation, decode, read_file
     from tools.tiny_data import write_jpeg_cases
 
     cases = write_jpeg_cases(work, width=1000, height=750)  # "large" is 4000 x 3000, a phone photo
@@ -583,7 +583,7 @@ def reset_peak(device: torch.device) -> None:
 def resnet50_figures(device: torch.device, compile_too: bool) -> list[Result]:
     """One ResNet-50: eager, eager with trainer.deterministic (its cost), then compiled."""
     from benchmarks.cifar100_resnet50 import SyntheticSetting, imagenet_model, synthetic_images_per_second
-    from common.determinism import configure_determinism
+    from common.pytorch.determinism import configure_determinism
 
     full = device.type == "cuda"
     name, size, batch, steps, warmup = ("resnet50", 224, 256, 30, 10) if full else ("test_resnet", 32, 8, 3, 1)

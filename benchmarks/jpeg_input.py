@@ -34,9 +34,9 @@ from torchvision.transforms import v2
 
 from benchmarks.results import Result
 from common.config import Decode
-from common.data import PerSampleSeeded
+from common.data.images import TrainImages, collate_train
+from common.data.loaders import PerSampleSeeded
 from common.entry import compose_config
-from common.images import TrainImages, collate_train
 from recipes.tv_segmentation.coco import voc_palette
 from tools.tiny_data import photo
 

@@ -28,16 +28,16 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from benchmarks.results import Result
-from common.determinism import configure_determinism
-from common.distributed import init_distributed
+from common.data.sampler import ResumableDistributedSampler
 from common.divergence import NonfiniteWatch
 from common.entry import compose_config
 from common.loggers import RunLogger
-from common.metrics import SumMetrics
-from common.optim import warmup_cosine, weight_decay_groups
-from common.rng import seeded_generator
+from common.pytorch.determinism import configure_determinism
+from common.pytorch.distributed import init_distributed
+from common.pytorch.metrics import SumMetrics
+from common.pytorch.optim import warmup_cosine, weight_decay_groups
+from common.pytorch.rng import seeded_generator
 from common.run import CheckpointCadence, Decision, StopSignals
-from common.sampler import ResumableDistributedSampler
 from common.telemetry import StepTelemetry
 from recipes.fashion_mnist import train as recipe
 from recipes.fashion_mnist.data import load_split, normalize

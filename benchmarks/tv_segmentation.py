@@ -14,7 +14,7 @@ import time
 import torch
 
 from benchmarks.results import Result
-from common.precision import autocast
+from common.pytorch.precision import autocast
 from recipes.tv_segmentation.config import ModelConfig
 from recipes.tv_segmentation.model import build_model, head_lr_groups, segmentation_loss
 

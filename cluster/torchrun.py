@@ -45,9 +45,9 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
 from common import heartbeat
-from common.distributed import NCCL_TRACE_PREFIX
 from common.entry import EXIT_CODE_DIR, compose_config, fail
 from common.errors import EXIT_DIVERGED, EXIT_HUNG, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from common.pytorch.distributed import NCCL_TRACE_PREFIX
 
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_TIMEOUT_S = "120"

@@ -1,5 +1,3 @@
-"""The small layer every recipe shares: distributed set-up, resumable sampling,
-atomic checkpoints, exact metric reduction, logging and pre-emption handling.
-
-There is deliberately no training loop here: each recipe's ``train.py`` owns its loop.
-"""
+"""The shared layer, in three layers: the run lifecycle here (entry, the run contract, checkpoints,
+what a run records, evaluation and export), input pipelines in ``data/``, the PyTorch basics in
+``pytorch/``. There is deliberately no training loop: each recipe's ``train.py`` owns its loop."""

@@ -61,8 +61,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common import distributed, jsonfiles
+from common import jsonfiles
 from common.errors import UserError
+from common.pytorch import distributed
 
 NAME = "AtomicDirectory"  # cycling_utils' default saver name, so ISC tools and AtomicDirectory readers agree
 LATEST = f"{NAME}.latest_checkpoint"

@@ -44,7 +44,7 @@ class Mode(str, Enum):
 
 
 class Decode(str, Enum):
-    """Where training JPEGs become pixels (``common/images.py``)."""
+    """Where training JPEGs become pixels (``common/data/images.py``)."""
 
     cpu = "cpu"  # DataLoader workers decode, crop and augment; uint8 batches reach the device
     gpu = "gpu"  # workers read the files' bytes; the training device decodes (nvjpeg) and crops each batch
@@ -88,7 +88,7 @@ class TrainerConfig:
     # uninterrupted one (same GPU model and software). Off: TF32 matmuls and cuDNN autotuning on CUDA.
     deterministic: bool = False
     channels_last: bool = False
-    num_workers: int = -1  # DataLoader workers per rank; -1: the CPU cores this rank gets (common.data)
+    num_workers: int = -1  # DataLoader workers per rank; -1: the CPU cores this rank gets (common.data.loaders)
     nonfinite: Nonfinite = Nonfinite.stop
     rollback_lr_factor: float = 1.0  # rollback: the LR (and its schedule) is multiplied by this at each rollback
     max_rollbacks: int = 3  # rollback: after this many, a non-finite step stops the run as with stop

@@ -38,12 +38,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from common import distributed, heartbeat
+from common import heartbeat
 from common.config import RunConfig, config_record, plain_config
-from common.determinism import configure_determinism
-from common.distributed import DistInfo
 from common.errors import EXIT_HUNG, EXIT_USER_ERROR, Preempted, RunStopped, UserError
 from common.profiling import out_of_memory_error, record_memory_history
+from common.pytorch import distributed
+from common.pytorch.determinism import configure_determinism
+from common.pytorch.distributed import DistInfo
 from common.run_lock import RunLockHeld, run_locks
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -100,7 +101,7 @@ def exit_process(code: int) -> NoReturn:
     ``multiprocessing`` ends the children it forks: PyTorch may still hold the group (DTensor's
     caches keep FSDP2's device mesh and with it the group), and a gloo worker thread that frees a
     tensor during that shutdown aborts the process after a run that finished (see
-    :func:`common.distributed.shutdown_distributed`). Everything the run writes is already written
+    :func:`common.pytorch.distributed.shutdown_distributed`). Everything the run writes is already written
     and closed by then; the ``atexit`` handlers still run (logging's flush among them, while the
     interpreter is whole) and the standard streams are flushed.
     """
@@ -207,7 +208,7 @@ def _print_job_config_resolved() -> None:
 @contextlib.contextmanager
 def distributed_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]:
     """This process set up to run ``cfg``'s model: PyTorch's determinism and speed switches (before
-    CUDA starts), then its device and process group (``common.distributed.init_distributed``, with
+    CUDA starts), then its device and process group (``common.pytorch.distributed.init_distributed``, with
     ``trainer.collective_timeout_s``; ``process_group``'s options go there too); the group is
     destroyed at the end."""
     configure_determinism(cfg.trainer.deterministic, cfg.device)

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from common.distributed import DistInfo, broadcast_buffers
 from common.entry import distributed_process, exit_after, fail, user_message
 from common.errors import UserError
 from common.jsonfiles import write_json
+from common.pytorch.distributed import DistInfo, broadcast_buffers
 from common.recipes import RecipeSpec, load_recipe
 from common.trained import LATEST, TrainedRun, load_model, open_run, read_state
 

@@ -23,7 +23,7 @@ A collective that waits longer than ``trainer.collective_timeout_s`` makes the r
   ``cluster/torchrun.py`` prints the line from the heartbeat files.
 
 On NCCL the flight recorder also dumps each rank's last collectives into ``hang/``
-(:func:`common.distributed.enable_flight_recorder`). NCCL aborts a process whose collective
+(:func:`common.pytorch.distributed.enable_flight_recorder`). NCCL aborts a process whose collective
 timed out, so there the heartbeat thread appends a rank's stacks as soon as its phase has lasted
 longer than the timeout, before that abort.
 """

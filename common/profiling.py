@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from common.config import ProfileConfig
-from common.distributed import DistInfo
 from common.errors import UserError
+from common.pytorch.distributed import DistInfo
 
 PROFILE_DIR = "profile"
 MEMORY_HISTORY_ENTRIES = 100_000

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from common import distributed, jsonfiles
-from common.distributed import DistInfo
+from common import jsonfiles
+from common.pytorch import distributed
+from common.pytorch.distributed import DistInfo
 
 PROVENANCE_FILE = "provenance.jsonl"
 PROVENANCE_DIR = "provenance"

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 from torch import nn
 
 from common.config import RunConfig
-from common.distributed import DistInfo
 from common.errors import UserError
+from common.pytorch.distributed import DistInfo
 
 
 class Evaluate(Protocol):
@@ -55,7 +55,7 @@ class RecipeSpec:
     export_files: dict[str, str] = field(default_factory=dict)  # export name prefix -> file, beside model.safetensors
     write_export_extras: Callable[[Any, Path, dict[str, Any]], None] | None = None  # e.g. transformers' config.json
     process_group: Callable[[Any], dict[str, Any]] = no_process_group_options
-    """``(cfg)``: options for ``common.distributed.init_distributed`` the model needs (FSDP2 on one GPU)."""
+    """``(cfg)``: options for ``common.pytorch.distributed.init_distributed`` the model needs (FSDP2 on one GPU)."""
 
 
 def load_recipe(recipe: str) -> RecipeSpec:

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common import distributed, heartbeat
+from common import heartbeat
 from common.checkpoint import (
     KEEP_ALL,
     CheckpointManager,
@@ -78,15 +78,16 @@ from common.checkpoint import (
 )
 from common.compile_cache import CompileCache
 from common.config import ProfileConfig, RunConfig, config_record
-from common.distributed import DistInfo
+from common.data.sampler import ResumableDistributedSampler
 from common.divergence import NONE, NonfiniteWatch, all_finite, scale_learning_rate
 from common.errors import EXIT_DIVERGED, Diverged, Preempted, UserError
 from common.loggers import RunLogger
-from common.metrics import SumMetrics
 from common.profiling import StepProfiler
 from common.provenance import bit_identity_differences, segment_record
-from common.rng import rng_state, set_rng_state
-from common.sampler import ResumableDistributedSampler
+from common.pytorch import distributed
+from common.pytorch.distributed import DistInfo
+from common.pytorch.metrics import SumMetrics
+from common.pytorch.rng import rng_state, set_rng_state
 from common.search_trial import SearchTrial
 from common.steps import MicroBatches, StepPlan
 from common.summary import output_lines, state_digest, write_summary
@@ -230,7 +231,7 @@ class CheckpointCadence:
 
 
 def merged_sums(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Several ranks' :meth:`~common.metrics.SumMetrics.state_dict` added into one."""
+    """Several ranks' :meth:`~common.pytorch.metrics.SumMetrics.state_dict` added into one."""
     merged: dict[str, torch.Tensor] = {}
     for sums in per_rank:
         for name, value in sums.items():

@@ -23,8 +23,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from common import distributed
 from common.errors import UserError
+from common.pytorch import distributed
 
 TRIAL_VARIABLE = "RECIPES_SEARCH_TRIAL"
 # Optuna's pruners by the names a search space uses; "none" never prunes.

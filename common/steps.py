@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from common import heartbeat
+from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
-from common.optim import accumulation_steps
-from common.sampler import ResumableDistributedSampler
+from common.pytorch.optim import accumulation_steps
 
 
 class EpochTail(str, Enum):

@@ -18,7 +18,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from common import cifar100
+from common.data import cifar100
 from common.errors import UserError
 from data_prep.files import download, file_digest, run_cli, write_bytes_atomic
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import cifar100
+from common.data import cifar100
 from data_prep import cifar100_resnet50, weights
 from data_prep.files import run_cli
 

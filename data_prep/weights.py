@@ -1,4 +1,4 @@
-"""Store a recipe's pretrained weights where its config reads them (see ``common/weights.py``).
+"""Store a recipe's pretrained weights where its config reads them (see ``common/pytorch/weights.py``).
 
 A folder ``data/weights/<hub repository>/`` is filled from that hub repository when this machine
 reaches the hub (``facebook/dinov2-small`` with transformers, ``timm/<model>.<tag>`` or any other
@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from common.errors import UserError
-from common.weights import WEIGHTS_ROOT, read_state_dict
+from common.pytorch.weights import WEIGHTS_ROOT, read_state_dict
 
 
 def recipe_config(recipe: str, overrides: list[str]) -> DictConfig:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from cluster.processes import kill_tree
-from common import distributed
 from common.checkpoint import STATE_FILE, committed_checkpoints, latest_checkpoint
-from common.distributed import free_port
 from common.entry import exit_process
+from common.pytorch import distributed
+from common.pytorch.distributed import free_port
 from tests import slurm_cluster as sc
 from tools.tiny_data import write_fashion_mnist
 

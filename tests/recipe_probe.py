@@ -37,10 +37,10 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from common.data import PerSampleSeeded
-from common.distributed import DistInfo
+from common.data.loaders import PerSampleSeeded
 from common.entry import compose_config, typed_config
 from common.errors import UserError
+from common.pytorch.distributed import DistInfo
 from common.run import TrainingRun
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")

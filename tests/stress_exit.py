@@ -4,7 +4,7 @@
 
 A finished run whose process group outlives the interpreter's shutdown could die there with
 ``terminate called without an active exception`` (SIGABRT, exit -6), so torchrun exited 1 after a
-run that had written its summary (see ``common.distributed.shutdown_distributed`` and
+run that had written its summary (see ``common.pytorch.distributed.shutdown_distributed`` and
 ``common.entry.exit_process``). This runs, ``--runs`` times each, the two launches where that was
 seen: dinov2_fsdp on 2 FSDP ranks starting from the export of a sharded run (the init_from test),
 and fashion_mnist on 2 DDP ranks with background checkpoints every step. Every launch must exit 0

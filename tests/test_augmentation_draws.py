@@ -197,7 +197,7 @@ class Draws(torch.utils.data.Dataset):
 
 
 def test_per_sample_seeding_draws_by_seed_epoch_and_index_and_nothing_else() -> None:
-    from common.data import PerSampleSeeded
+    from common.data.loaders import PerSampleSeeded
 
     seeded = PerSampleSeeded(Draws(), seed=3)
     draws = {(epoch, index): seeded[(epoch, index)] for epoch in range(3) for index in range(10)}

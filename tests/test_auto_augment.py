@@ -1,4 +1,4 @@
-"""TrivialAugmentWide and RandAugment for whole batches (``common/auto_augment.py``): torchvision's
+"""TrivialAugmentWide and RandAugment for whole batches (``common/data/auto_augment.py``): torchvision's
 images for a fixed seed, torchvision's distribution, and no per-image or syncing work on the device."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from scipy.stats import ks_2samp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.transforms import v2
 
-from common.auto_augment import BatchAutoAugment, batch_policy
 from common.config import Decode
+from common.data.auto_augment import BatchAutoAugment, batch_policy
+from common.data.images import DeviceTrainInput, TrainAugmentation
 from common.errors import UserError
-from common.images import DeviceTrainInput, TrainAugmentation
 from tests.test_host_syncs import syncing_ops
 
 POLICIES = {  # ours, torchvision's

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from common.metrics import SumMetrics, ratio
+from common.pytorch.metrics import SumMetrics, ratio
 
 
 def feed(metrics: SumMetrics, steps: range) -> None:

@@ -99,11 +99,11 @@ def test_keep_all_prunes_nothing(tmp_path: Path) -> None:
 
 
 def test_the_artifact_path_keeps_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from common.distributed import DistInfo
+    from common.data.sampler import ResumableDistributedSampler
     from common.entry import compose_config
-    from common.metrics import SumMetrics
+    from common.pytorch.distributed import DistInfo
+    from common.pytorch.metrics import SumMetrics
     from common.run import TrainingRun
-    from common.sampler import ResumableDistributedSampler
     from common.steps import StepPlan
 
     monkeypatch.setenv("CHECKPOINT_ARTIFACT_PATH", str(tmp_path / "artifacts"))

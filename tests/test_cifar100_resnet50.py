@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from common.cifar100 import load_split, read_pickle
 from common.config import MixupConfig
+from common.data.cifar100 import load_split, read_pickle
+from common.data.image_batches import Normalize, random_crop_and_flip
 from common.entry import compose_config
 from common.errors import UserError
-from common.image_batches import Normalize, random_crop_and_flip
-from common.optim import warmup_multistep
-from common.rng import seeded_generator
+from common.pytorch.optim import warmup_multistep
+from common.pytorch.rng import seeded_generator
 from data_prep import cifar100_resnet50 as prep
 from data_prep.files import file_digest
 from recipes.cifar100_resnet50.config import DataConfig, ModelConfig

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.distributed import DistInfo
+from common.pytorch.distributed import DistInfo
 from common.recipes import load_recipe
 from tests import trained_runs
 from tests.conftest import REPO

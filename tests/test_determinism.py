@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from common.determinism import CUBLAS_WORKSPACE, configure_determinism
+from common.pytorch.determinism import CUBLAS_WORKSPACE, configure_determinism
 
 
 @pytest.fixture

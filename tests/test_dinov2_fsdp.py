@@ -293,9 +293,9 @@ def test_eval_batches_count_every_sample_once_with_equal_batches_per_rank(num_sa
     ],
 )
 def test_settings_the_recipe_cannot_honour_are_refused(tmp_path: Path, override: str, message: str) -> None:
-    from common.distributed import DistInfo
     from common.entry import compose_config
     from common.errors import UserError
+    from common.pytorch.distributed import DistInfo
     from recipes.dinov2_fsdp.train import check_settings
 
     cfg = compose_config(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", override])

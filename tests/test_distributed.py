@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common import distributed
 from common.divergence import NONE
 from common.errors import UserError
-from common.metrics import SumMetrics, ratio
-from common.optim import accumulation_steps, scaled_lr
+from common.pytorch import distributed
+from common.pytorch.metrics import SumMetrics, ratio
+from common.pytorch.optim import accumulation_steps, scaled_lr
 from common.run import CheckpointCadence, StopSignals
 from tests.conftest import free_port, spawn_ranks
 
@@ -155,7 +155,7 @@ def test_a_group_of_one_leaves_no_launch_variables_behind() -> None:
     import subprocess
     import sys
 
-    code = ("import os; from common.distributed import init_distributed; "
+    code = ("import os; from common.pytorch.distributed import init_distributed; "
             "init_distributed('cpu', group_of_one=True); "
             "import torch.distributed as dist; assert dist.is_initialized(); "
             "print(sorted(k for k in os.environ if k.startswith('MASTER_')))")

@@ -18,9 +18,9 @@ import torch
 from sklearn.metrics import f1_score
 from sklearn.utils.class_weight import compute_class_weight
 
+from common.data.images import ResizedImages
 from common.entry import user_message
 from common.errors import UserError
-from common.images import ResizedImages
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import DataConfig, ModelConfig
 from recipes.fungitastic.data import split_files
@@ -354,7 +354,7 @@ def test_each_rank_evaluates_its_own_images_and_together_every_image_once(fungi_
     """The recipe's evaluation loaders on 2 ranks yield, between them, exactly the images and
     labels of the 1-rank loader (7 rows: one rank gets 4, the other 3), each once."""
     from common.config import TrainerConfig
-    from common.distributed import DistInfo
+    from common.pytorch.distributed import DistInfo
     from recipes.fungitastic.config import FungiTasticConfig, ModelConfig
     from recipes.fungitastic.train import SplitEvaluation
 

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.distributed import DistInfo
+from common.pytorch.distributed import DistInfo
 from tests.conftest import spawn_ranks
 from tests.recipe_probe import Configs, Probe, probe, tiny_settings
 

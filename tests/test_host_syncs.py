@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.metrics import SumMetrics
+from common.pytorch.metrics import SumMetrics
 from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
 from recipes.tv_segmentation.metrics import ConfusionMatrix
 

@@ -1,4 +1,4 @@
-"""common/images.py: crop boxes drawn as timm and torchvision draw them, the uint8 CPU path and the
+"""common/data/images.py: crop boxes drawn as timm and torchvision draw them, the uint8 CPU path and the
 device path (run here with device=cpu) against timm's own transform, colour jitter against
 torchvision's, odd files (greyscale, CMYK, a PNG named .JPEG, a truncated JPEG), DCT scaling, and
 the default worker count."""
@@ -23,9 +23,7 @@ from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import functional as tvf
 
 from common.config import Decode
-from common.data import PerSampleSeeded, cpu_cores_per_rank, make_loader
-from common.errors import UserError
-from common.images import (
+from common.data.images import (
     CropBox,
     DeviceTrainInput,
     ResizedImages,
@@ -37,7 +35,9 @@ from common.images import (
     read_file,
     read_header,
 )
-from common.sampler import ResumableDistributedSampler
+from common.data.loaders import PerSampleSeeded, cpu_cores_per_rank, make_loader
+from common.data.sampler import ResumableDistributedSampler
+from common.errors import UserError
 from tools.tiny_data import write_jpeg_cases
 
 SIZE = 48

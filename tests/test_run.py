@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from common.checkpoint import CheckpointManager, committed_checkpoints
-from common.distributed import DistInfo
+from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
 from common.loggers import ProgressLines, RunLogger, wandb_run_id
-from common.metrics import SumMetrics
-from common.rng import rng_state, seed_everything, set_rng_state
+from common.pytorch.distributed import DistInfo
+from common.pytorch.metrics import SumMetrics
+from common.pytorch.rng import rng_state, seed_everything, set_rng_state
 from common.run import CheckpointCadence, StopSignals, TrainingRun
-from common.sampler import ResumableDistributedSampler
 from common.steps import EpochTail, StepPlan, compile_static
 from tests.conftest import assert_ok, read_summary, run_recipe, spawn_ranks
 
@@ -115,7 +115,7 @@ def test_a_resume_brings_back_every_part_of_the_training_state(tmp_path: Path) -
     """Through a real checkpoint: the weights, the optimizer's moments, the LR schedule's position,
     the fp16 grad scaler's scale and growth count, the sampler's place in its epoch, the progress
     counters and the RNGs, each into fresh objects built as a restarted run builds them."""
-    from common.optim import warmup_cosine
+    from common.pytorch.optim import warmup_cosine
 
     def build() -> TrainingRun:
         torch.manual_seed(0)

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from common.checkpoint import CheckpointManager, committed_checkpoints
-from common.distributed import DistInfo
+from common.data.sampler import ResumableDistributedSampler
 from common.loggers import RunLogger
-from common.metrics import SumMetrics
+from common.pytorch.distributed import DistInfo
+from common.pytorch.metrics import SumMetrics
 from common.run import CheckpointCadence, StopSignals, TrainingRun
-from common.sampler import ResumableDistributedSampler
 from common.steps import StepPlan
 
 NAN = math.nan

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from common.sampler import ResumableDistributedSampler
+from common.data.sampler import ResumableDistributedSampler
 
 
 def epoch_indices(num_samples: int, world_size: int, epoch: int = 0, drop_last: bool = False,

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from common.checkpoint import CheckpointManager
-from common.distributed import DistInfo
+from common.data.sampler import ResumableDistributedSampler
 from common.loggers import RunLogger, read_metrics_file
-from common.metrics import SumMetrics, ratio
+from common.pytorch.distributed import DistInfo
+from common.pytorch.metrics import SumMetrics, ratio
 from common.run import CheckpointCadence, StopSignals, TrainingRun
-from common.sampler import ResumableDistributedSampler
 from common.steps import StepPlan
 from common.telemetry import FlopCount, StepTelemetry, device_peak_flops, peak_tflops
 from tests.conftest import spawn_ranks

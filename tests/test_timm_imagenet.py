@@ -115,7 +115,7 @@ def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(imagenet:
 def test_top1_and_top5_are_counted_per_image() -> None:
     """Seven classes, so that top-5 can miss: hand-made logits with known ranks of the label, in
     two batches (the classification metrics every single-label recipe reports)."""
-    from common.metrics import SumMetrics, add_classification, classification_metrics
+    from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics
 
     labels = torch.tensor([0, 1, 2, 3, 4, 5])
     ranks = [0, 1, 4, 5, 6, 0]  # where each label stands among its image's scores

@@ -21,10 +21,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from common.config import TrainerConfig
-from common.data import PerSampleSeeded, make_loader
-from common.distributed import DistInfo
+from common.data.loaders import PerSampleSeeded, make_loader
+from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
-from common.sampler import ResumableDistributedSampler
+from common.pytorch.distributed import DistInfo
 from common.summary import state_digest
 from recipes.tv_segmentation import coco
 from recipes.tv_segmentation.config import DataConfig, ModelConfig, TvSegmentationConfig

@@ -94,19 +94,19 @@ MUTATIONS: list[Mutation] = [
     ),
     # ---- where a bug would hurt users most --------------------------------------------------------
     Mutation(
-        "sampler-resumes-at-the-start-of-the-epoch", "common/sampler.py",
+        "sampler-resumes-at-the-start-of-the-epoch", "common/data/sampler.py",
         '        self.set_epoch(state["epoch"], state["consumed"])', '        self.set_epoch(state["epoch"], 0)',
         (f"tests/test_fashion_mnist.py::{CHAIN}[1-SIGTERM]",),
         "a resumed run sees the first part of its epoch twice",
     ),
     Mutation(
-        "sampler-position-ignores-the-other-ranks", "common/sampler.py",
+        "sampler-position-ignores-the-other-ranks", "common/data/sampler.py",
         "self.consumed + samples_per_rank * self.world_size)", "self.consumed + samples_per_rank)",
         (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1]",),
         "a multi-rank run resumed mid-epoch repeats samples",
     ),
     Mutation(
-        "torch-rng-not-restored", "common/rng.py",
+        "torch-rng-not-restored", "common/pytorch/rng.py",
         '    torch.set_rng_state(state["torch"].cpu())', "    torch.get_rng_state()",
         ("tests/test_run.py::test_a_resume_brings_back_every_part_of_the_training_state",
          f"tests/test_cifar100_resnet50.py::{CHAIN}[1-SIGUSR1]"),
@@ -176,7 +176,7 @@ MUTATIONS: list[Mutation] = [
         "a run resumed in the fine-tune stage restarts the stage with a fresh optimizer",
     ),
     Mutation(
-        "eval-metric-sums-not-reduced", "common/metrics.py",
+        "eval-metric-sums-not-reduced", "common/pytorch/metrics.py",
         "            dist.all_reduce(stacked, op=dist.ReduceOp.SUM)", "            pass",
         (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1]",),
         "accuracy on several ranks is rank 0's share of the evaluation only",
@@ -235,7 +235,7 @@ MUTATIONS: list[Mutation] = [
         "after an epoch's short last batch, every compiled step runs a slower dynamic-shape graph",
     ),
     Mutation(
-        "tf32-through-the-new-api-only", "common/determinism.py",
+        "tf32-through-the-new-api-only", "common/pytorch/determinism.py",
         "    torch.backends.cuda.matmul.allow_tf32 = fast_cuda",
         '    torch.backends.cuda.matmul.fp32_precision = "tf32" if fast_cuda else "ieee"',
         ("tests/test_determinism.py::test_both_tf32_apis_read_the_setting",),
@@ -377,7 +377,7 @@ MUTATIONS: list[Mutation] = [
         "an epoch's short last step is scaled as a full one: its gradient is too small",
     ),
     Mutation(
-        "ranks-never-reduce-gradients", "common/distributed.py",
+        "ranks-never-reduce-gradients", "common/pytorch/distributed.py",
         "    if sync or not isinstance(model, torch.nn.parallel.DistributedDataParallel):",
         "    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):",
         (f"{TWO_RANKS}[fashion_mnist]",),
@@ -385,7 +385,7 @@ MUTATIONS: list[Mutation] = [
     ),
     # the sampler's epoch seed
     Mutation(
-        "sampler-order-ignores-the-epoch", "common/sampler.py",
+        "sampler-order-ignores-the-epoch", "common/data/sampler.py",
         "generator.manual_seed(self.seed * 1_000_003 + epoch)", "generator.manual_seed(self.seed * 1_000_003)",
         (f"{DRAWS}test_the_sampler_orders_each_epoch_differently[fashion_mnist]",),
         "every epoch visits the samples in the first epoch's order",
@@ -404,13 +404,13 @@ MUTATIONS: list[Mutation] = [
     ),
     # the augmentation's seed
     Mutation(
-        "per-sample-augmentation-ignores-the-epoch", "common/data.py",
+        "per-sample-augmentation-ignores-the-epoch", "common/data/loaders.py",
         "with seeded_global_rng(self.seed, epoch, index):", "with seeded_global_rng(self.seed, index):",
         (f"{DRAWS}test_a_sample_draws_differently_in_each_epoch[timm_imagenet]",),
         "each image gets the same crop, flip and policy every epoch: augmentation adds nothing after epoch 1",
     ),
     Mutation(
-        "per-sample-augmentation-ignores-the-sample", "common/data.py",
+        "per-sample-augmentation-ignores-the-sample", "common/data/loaders.py",
         "with seeded_global_rng(self.seed, epoch, index):", "with seeded_global_rng(self.seed, epoch):",
         (f"{DRAWS}test_the_samples_of_a_batch_draw_differently[fungitastic]",),
         "every image of an epoch gets the same crop, flip and policy",

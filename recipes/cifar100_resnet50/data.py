@@ -4,7 +4,7 @@ The dataset (150 MB) lives on the device, so a batch is one gather and the augme
 on tensors where the model runs: no DataLoader workers, no PIL. Every random draw comes from
 the step's seeded generator (crop, flip, rotation, erasing) or from global generators seeded
 for the step and restored afterwards (TrivialAugment/RandAugment, drawn as torchvision draws them
-and applied to the whole batch by ``common.auto_augment``; timm's Mixup),
+and applied to the whole batch by ``common.data.auto_augment``; timm's Mixup),
 so a run resumed at step ``s`` augments exactly as the uninterrupted run did.
 """
 
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from timm.data import Mixup
 from timm.data.mixup import mixup_target
 
-from common import cifar100
-from common.auto_augment import BatchAutoAugment
 from common.config import MixupConfig
-from common.image_batches import Normalize, random_crop_and_flip
-from common.rng import seeded_global_rng
+from common.data import cifar100
+from common.data.auto_augment import BatchAutoAugment
+from common.data.image_batches import Normalize, random_crop_and_flip
+from common.pytorch.rng import seeded_global_rng
 from recipes.cifar100_resnet50.config import DataConfig
 
 # Per-channel mean and std of the CIFAR-100 training images, in [0, 1].

@@ -11,7 +11,7 @@ from __future__ import annotations
 import timm
 from torch import nn
 
-from common.cifar100 import NUM_CLASSES
+from common.data.cifar100 import NUM_CLASSES
 from common.errors import UserError
 from recipes.cifar100_resnet50.config import ModelConfig
 

@@ -15,18 +15,18 @@ import torch
 import torch.nn.functional as F
 from timm.utils import ModelEmaV3
 
-from common import cifar100
-from common.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.data import cifar100
+from common.data.image_batches import Normalize
+from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main, training_process
 from common.evaluate import evaluating
-from common.image_batches import Normalize
-from common.metrics import SumMetrics, add_classification, classification_metrics, ratio
-from common.optim import scaled_lr, warmup_cosine, warmup_multistep, weight_decay_groups
-from common.precision import autocast, grad_scaler
+from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics, ratio
+from common.pytorch.optim import scaled_lr, warmup_cosine, warmup_multistep, weight_decay_groups
+from common.pytorch.precision import autocast, grad_scaler
+from common.pytorch.rng import seed_everything, seeded_generator
 from common.recipes import Evaluate
-from common.rng import seed_everything, seeded_generator
 from common.run import TrainingRun
-from common.sampler import ResumableDistributedSampler
 from common.steps import EpochTail, StepPlan, compile_static
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config
 from recipes.cifar100_resnet50.data import MEAN, STD, BatchAugmentation

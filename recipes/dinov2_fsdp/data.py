@@ -1,8 +1,8 @@
 """CIFAR-100 for a DINOv2 backbone: uint8 tensors on the device, augmented and upsampled per batch.
 
-The images come from the shared reader (``common.cifar100``, the cifar100_resnet50 prep's
+The images come from the shared reader (``common.data.cifar100``, the cifar100_resnet50 prep's
 layout). The whole split (150 MB) lives on the training device; random crop (after reflection
-padding) and flip run at 32x32 on whole batches with a seeded generator (``common.image_batches``),
+padding) and flip run at 32x32 on whole batches with a seeded generator (``common.data.image_batches``),
 then the batch is upsampled to the backbone's resolution and normalised with the ImageNet
 statistics DINOv2 was trained with.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.image_batches import Normalize
+from common.data.image_batches import Normalize
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)

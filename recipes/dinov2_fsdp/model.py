@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from common.errors import UserError
-from common.weights import missing, weights_file
+from common.pytorch.weights import missing, weights_file
 from recipes.dinov2_fsdp.config import Features, Library, ModelConfig
 
 NUM_CLASSES = 100

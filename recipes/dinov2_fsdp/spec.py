@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from common import cifar100
+from common.data import cifar100
 from common.export import timm_loading
 from common.recipes import RecipeSpec
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig, ModelConfig

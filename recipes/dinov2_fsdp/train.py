@@ -20,19 +20,19 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
-from common import cifar100
-from common.distributed import DistInfo, on_device
+from common.data import cifar100
+from common.data.image_batches import Normalize, random_crop_and_flip
+from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main, training_process
 from common.errors import UserError
 from common.evaluate import evaluating
-from common.image_batches import Normalize, random_crop_and_flip
-from common.metrics import SumMetrics, add_classification, classification_metrics, ratio
-from common.optim import scaled_lr, warmup_cosine, weight_decay_groups
-from common.precision import autocast
+from common.pytorch.distributed import DistInfo, on_device
+from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics, ratio
+from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
+from common.pytorch.precision import autocast
+from common.pytorch.rng import seed_everything, seeded_generator
 from common.recipes import Evaluate
-from common.rng import seed_everything, seeded_generator
 from common.run import TrainingRun
-from common.sampler import ResumableDistributedSampler
 from common.steps import EpochTail, StepPlan, compile_static
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig
 from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input

@@ -1,7 +1,7 @@
 """Fashion-MNIST from its original IDX files, straight into uint8 tensors.
 
 The whole dataset (55 MB) lives on the training device, so a batch is one gather and the
-augmentation (random crop with zero padding, horizontal flip: ``common.image_batches``) runs on
+augmentation (random crop with zero padding, horizontal flip: ``common.data.image_batches``) runs on
 whole batches of tensors: no DataLoader workers, no PIL, nothing for the GPU to wait on.
 """
 

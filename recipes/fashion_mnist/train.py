@@ -13,17 +13,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.data.image_batches import random_crop_and_flip
+from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main, training_process
 from common.evaluate import evaluating
-from common.image_batches import random_crop_and_flip
-from common.metrics import SumMetrics, add_classification, classification_metrics, ratio
-from common.optim import scaled_lr, warmup_cosine, weight_decay_groups
-from common.precision import autocast, grad_scaler
+from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics, ratio
+from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
+from common.pytorch.precision import autocast, grad_scaler
+from common.pytorch.rng import seed_everything, seeded_generator
 from common.recipes import Evaluate
-from common.rng import seed_everything, seeded_generator
 from common.run import TrainingRun
-from common.sampler import ResumableDistributedSampler
 from common.steps import EpochTail, StepPlan, compile_static
 from recipes.fashion_mnist.config import FashionMNISTConfig
 from recipes.fashion_mnist.data import BLACK, load_split, normalize

@@ -1,11 +1,11 @@
 """FungiTastic splits (CSV rows with images) and the published baseline's augmentation.
 
-Images go through ``common/images.py``: the crop box is drawn from the JPEG's header, libjpeg
+Images go through ``common/data/images.py``: the crop box is drawn from the JPEG's header, libjpeg
 decodes at 1/2, 1/4 or 1/8 scale when the image is far larger than the model input (most of
 the cost at 500p and above), and the baseline's augmentation (RandomResizedCrop scale 0.8-1,
 RandAugment(2, 20)) runs on uint8, in DataLoader workers or on the device (``data.decode``).
 Batches cross to the GPU as uint8, a quarter of the float size, and are normalised there.
-Draws come from the global RNGs, which :class:`common.data.PerSampleSeeded` seeds from
+Draws come from the global RNGs, which :class:`common.data.loaders.PerSampleSeeded` seeds from
 (seed, epoch, index), so a resumed run sees exactly the crops of the uninterrupted one.
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from torchvision.transforms import v2
 
+from common.data.images import TrainAugmentation
 from common.errors import UserError
-from common.images import TrainAugmentation
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import DataConfig
 

@@ -19,8 +19,8 @@ from timm.optim import param_groups_layer_decay
 from torch import nn
 
 from common.errors import UserError
-from common.optim import weight_decay_groups
-from common.weights import missing, read_pretrained_cfg, read_state_dict
+from common.pytorch.optim import weight_decay_groups
+from common.pytorch.weights import missing, read_pretrained_cfg, read_state_dict
 from recipes.fungitastic.config import ModelConfig
 
 HUB_PREFIX = "hf-hub:"

@@ -17,19 +17,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.data import PerSampleSeeded, make_loader
-from common.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.data.image_batches import Normalize
+from common.data.images import DeviceTrainInput, ResizedImages, TrainImages, collate_train
+from common.data.loaders import PerSampleSeeded, make_loader
+from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main, training_process
 from common.errors import UserError
 from common.evaluate import evaluating
-from common.image_batches import Normalize
-from common.images import DeviceTrainInput, ResizedImages, TrainImages, collate_train
-from common.metrics import SumMetrics, ratio
-from common.optim import scaled_lr, warmup_cosine
-from common.precision import autocast, grad_scaler
-from common.rng import seed_everything
+from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.pytorch.metrics import SumMetrics, ratio
+from common.pytorch.optim import scaled_lr, warmup_cosine
+from common.pytorch.precision import autocast, grad_scaler
+from common.pytorch.rng import seed_everything
 from common.run import TrainingRun
-from common.sampler import ResumableDistributedSampler
 from common.steps import EpochTail, StepPlan, compile_static
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import FungiTasticConfig

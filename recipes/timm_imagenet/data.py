@@ -1,12 +1,12 @@
 """ImageNet-style ImageFolder data with timm's augmentation, fed to the device as uint8.
 
 Layout: ``<root>/train/<wnid>/*.JPEG`` and ``<root>/val/<wnid>/*.JPEG`` (``make prep-timm_imagenet``
-checks it and sorts a flat val folder). Training images go through ``common/images.py``: timm's
+checks it and sorts a flat val folder). Training images go through ``common/data/images.py``: timm's
 random-resized crop, flip and policy (RandAugment, AutoAugment, AugMix, or torchvision's
 TrivialAugmentWide) per sample, in DataLoader workers or on the device (``data.decode``); timm's
 colour jitter, normalisation and random erasing on the device, a batch at a time, as timm's
 ``--prefetcher`` does. Evaluation keeps timm's transform (resize, centre crop) and hands over
-uint8 too. :class:`common.data.PerSampleSeeded` seeds each sample's draws from (seed, epoch,
+uint8 too. :class:`common.data.loaders.PerSampleSeeded` seeds each sample's draws from (seed, epoch,
 index), so the augmentations of a resumed run are those of the uninterrupted run.
 """
 
@@ -22,8 +22,8 @@ from timm.data.random_erasing import RandomErasing
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
+from common.data.images import INTERPOLATIONS, TrainAugmentation
 from common.errors import UserError
-from common.images import INTERPOLATIONS, TrainAugmentation
 from recipes.timm_imagenet.config import DataConfig
 
 
@@ -96,7 +96,7 @@ def resolve(model: torch.nn.Module, size: int, crop_pct: float, interpolation: s
 
 
 def train_augmentation(cfg: DataConfig, data_config: dict[str, Any]) -> TrainAugmentation:
-    """timm's training augmentation (``create_transform(is_training=True)``) in ``common.images``'
+    """timm's training augmentation (``create_transform(is_training=True)``) in ``common.data.images``'
     terms. ``ta_wide`` is torchvision's TrivialAugmentWide, which the torchvision reference recipes
     use and timm's factory does not offer; like timm's policies it turns the colour jitter off."""
     size, interpolation = data_config["input_size"][-1], data_config["interpolation"]

@@ -1,4 +1,4 @@
-"""timm's repeated-augmentation sampler, made resumable on the policy of :mod:`common.sampler`.
+"""timm's repeated-augmentation sampler, made resumable on the policy of :mod:`common.data.sampler`.
 
 timm's ``RepeatAugSampler`` (from DeiT) repeats every index of a shuffled epoch ``repeats``
 times in a row ([7, 7, 7, 2, 2, 2, ...]) and lets ranks take positions interleaved, so with
@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import torch
 
-from common.sampler import ResumableDistributedSampler
+from common.data.sampler import ResumableDistributedSampler
 
 
 class RepeatedAugmentationSampler(ResumableDistributedSampler):
-    """Yields ``(draw, index)`` keys for :class:`common.data.PerSampleSeeded`.
+    """Yields ``(draw, index)`` keys for :class:`common.data.loaders.PerSampleSeeded`.
 
     ``draw = epoch * repeats + copy`` differs between the copies of one image, so each copy gets
     its own augmentation, and depends only on the position in the epoch, never on the rank.

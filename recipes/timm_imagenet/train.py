@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 -m recipes.timm_imagenet.train +experiment=timm_resnet50
 
 timm provides the model (``create_model``), the data config (``resolve_data_config``), the
-augmentation (``create_transform``'s, run by ``common/images.py``: per sample in DataLoader
+augmentation (``create_transform``'s, run by ``common/data/images.py``: per sample in DataLoader
 workers or on the device, then colour jitter, normalisation and random erasing on the device a
 batch at a time, as timm's ``--prefetcher``), Mixup/CutMix, the losses, ``create_optimizer_v2``
 (no weight decay on norms and biases), ``create_scheduler_v2`` (stepped per optimizer update)
@@ -27,21 +27,21 @@ from timm.optim import create_optimizer_v2, list_optimizers
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
-from common.data import PerSampleSeeded, make_loader
-from common.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.data.image_batches import Normalize
+from common.data.images import DeviceTrainInput, TrainImages, collate_train
+from common.data.loaders import PerSampleSeeded, make_loader
+from common.data.sampler import ResumableDistributedSampler
+from common.data.staging import stage_directory
 from common.entry import recipe_main, training_process
 from common.errors import UserError
 from common.evaluate import evaluating
-from common.image_batches import Normalize
-from common.images import DeviceTrainInput, TrainImages, collate_train
-from common.metrics import SumMetrics, add_classification, classification_metrics, ratio
-from common.optim import scaled_lr
-from common.precision import autocast, grad_scaler
+from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics, ratio
+from common.pytorch.optim import scaled_lr
+from common.pytorch.precision import autocast, grad_scaler
+from common.pytorch.rng import seed_everything, seeded_global_rng
 from common.recipes import Evaluate
-from common.rng import seed_everything, seeded_global_rng
 from common.run import TrainingRun
-from common.sampler import ResumableDistributedSampler
-from common.staging import stage_directory
 from common.steps import EpochTail, StepPlan, compile_static
 from recipes.timm_imagenet.config import TimmImageNetConfig
 from recipes.timm_imagenet.data import (

@@ -6,7 +6,7 @@ follows torchvision's segmentation presets, done with albumentations so image an
 the same geometry: training resizes the shorter side to a random size in [0.5, 2.0] x 520,
 flips, and crops 480 (padding the image with 0 and the mask with 255); evaluation resizes
 the shorter side to 520 and keeps the aspect ratio, so batches of several images are padded.
-Images leave the workers as uint8 and are normalised on the device (``common.images.Normalize``):
+Images leave the workers as uint8 and are normalised on the device (``common.data.images.Normalize``):
 per-sample float conversion on the CPU cost more than the augmentation, and uint8 batches
 cross to the GPU at a quarter of the size.
 """
@@ -123,7 +123,7 @@ class SegmentationDataset(Dataset):
 
     albumentations draws from its own generators, not the global ones, so with ``augment=True``
     each sample re-seeds them from Python's global generator: wrapped in
-    :class:`common.data.PerSampleSeeded`, a sample's augmentation then depends only on
+    :class:`common.data.loaders.PerSampleSeeded`, a sample's augmentation then depends only on
     (seed, epoch, index), and a resumed run sees exactly what an uninterrupted one saw.
     """
 

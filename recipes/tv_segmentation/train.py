@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import torch
 
-from common.data import PerSampleSeeded, make_loader
-from common.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.data.image_batches import Normalize
+from common.data.loaders import PerSampleSeeded, make_loader
+from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main, training_process
 from common.evaluate import evaluating
-from common.image_batches import Normalize
-from common.metrics import SumMetrics, ratio
-from common.optim import scaled_lr
-from common.precision import autocast, grad_scaler
+from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.pytorch.metrics import SumMetrics, ratio
+from common.pytorch.optim import scaled_lr
+from common.pytorch.precision import autocast, grad_scaler
+from common.pytorch.rng import seed_everything
 from common.recipes import Evaluate
-from common.rng import seed_everything
 from common.run import TrainingRun
-from common.sampler import ResumableDistributedSampler
 from common.steps import EpochTail, StepPlan, compile_static
 from recipes.tv_segmentation.config import TvSegmentationConfig
 from recipes.tv_segmentation.data import (

@@ -10,7 +10,7 @@ chooses where the pixels are made; every random draw is made in the DataLoader w
 * ``gpu``: the worker only reads the file's bytes and makes the same draws; the main process
   decodes the whole batch on the device (``torchvision.io.decode_jpeg``, nvjpeg on CUDA), crops
   and resizes every image to its box with ``roi_align``, flips and applies the per-sample
-  augmentation there, to the whole batch at once (:mod:`common.auto_augment`; each sample's ops
+  augmentation there, to the whole batch at once (:mod:`common.data.auto_augment`; each sample's ops
   drawn from a seed its worker drew). JPEGs that are not three-component (greyscale, CMYK) and files that are
   not JPEGs are decoded by the worker, as on the CPU path, and cropped on the device; a JPEG the
   device decoder refuses is decoded on the CPU, and one nothing decodes is a one-line error.
@@ -31,7 +31,7 @@ jitter (each sample its own factors), normalisation, random erasing. Float conve
 normalisation and colour jitter per sample on the CPU were more than half the cost of the PIL
 pipeline this replaces; the rest is mostly JPEG decoding, which only ``gpu`` moves off the CPU.
 
-Draws use the global Python and torch generators, which :class:`common.data.PerSampleSeeded`
+Draws use the global Python and torch generators, which :class:`common.data.loaders.PerSampleSeeded`
 seeds from (seed, epoch, index): a resumed run sees exactly the images of the uninterrupted
 one, whatever the number of workers. The crop box and flip are drawn as timm's
 ``RandomResizedCropAndInterpolation`` and torchvision's ``RandomHorizontalFlip`` draw them,
@@ -59,10 +59,10 @@ from torchvision.ops import roi_align
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as tvf
 
-from common.auto_augment import batch_policy
+from common.data.auto_augment import batch_policy
 from common.config import Decode
 from common.errors import UserError
-from common.image_batches import Normalize
+from common.data.image_batches import Normalize
 
 cv2.setNumThreads(0)  # DataLoader workers already run in parallel
 

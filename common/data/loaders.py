@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from common.rng import seeded_global_rng
-from common.sampler import ResumableDistributedSampler
+from common.pytorch.rng import seeded_global_rng
+from common.data.sampler import ResumableDistributedSampler
 
 
 class PerSampleSeeded(Dataset):

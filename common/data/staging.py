@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from common import distributed
+from common.pytorch import distributed
 from common.errors import UserError
 
 COMPLETE_MARKER = ".staging-complete"

@@ -3,7 +3,7 @@ crop and flip.
 
 Recipes whose dataset lives on the device (fashion_mnist, cifar100_resnet50, dinov2_fsdp) augment
 a batch at a time where the model runs; the JPEG recipes normalise their uint8 batches there
-(``common/images.py``). Both need only torch, so a recipe that uses them imports nothing else.
+(``common/data/images.py``). Both need only torch, so a recipe that uses them imports nothing else.
 """
 
 from __future__ import annotations

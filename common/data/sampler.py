@@ -18,7 +18,7 @@ Policy
   so metrics summed over ranks are exact.
 
 With ``yield_epoch=True`` the sampler yields ``(epoch, index)`` pairs so that a dataset wrapped
-in :class:`common.data.PerSampleSeeded` can seed its augmentation from ``(seed, epoch, index)``:
+in :class:`common.data.loaders.PerSampleSeeded` can seed its augmentation from ``(seed, epoch, index)``:
 then augmentations do not depend on which worker or how many workers load a sample.
 """
 

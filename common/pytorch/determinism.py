@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from common.distributed import wants_cuda
+from common.pytorch.distributed import wants_cuda
 
 # cuBLAS is deterministic only with a fixed workspace; it reads this when its first handle is made.
 CUBLAS_WORKSPACE = ":4096:8"
