@@ -124,8 +124,12 @@ class StepTelemetry:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def batches(self, micro_batches: Iterable[Any]) -> Iterator[Any]:
-        """``micro_batches``, timing how long each takes to come."""
-        source = iter(micro_batches)
+        """``micro_batches``, timing how long each takes to come. Its iterator is made here, at once: a
+        DataLoader draws its workers' base seed from torch's global generator then, and inside a
+        step's ``seeded_global_rng`` that draw would shift the step's own (a resume would not be exact)."""
+        return self._timed(iter(micro_batches))
+
+    def _timed(self, source: Iterator[Any]) -> Iterator[Any]:
         while True:
             start = time.perf_counter()
             try:

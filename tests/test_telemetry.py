@@ -156,6 +156,20 @@ def test_data_wait_frac_rises_when_the_loader_is_slow(tmp_path: Path) -> None:
     assert slow_wait > fast_wait and slow_wait > 0.5, (fast_wait, slow_wait)
 
 
+def test_the_loader_is_iterated_when_the_epoch_starts_not_inside_the_first_step() -> None:
+    """A DataLoader draws its workers' base seed from torch's global generator when its iterator is
+    made; made lazily, at the first micro-batch, that draw lands inside the step's
+    ``seeded_global_rng`` and shifts the step's Mixup and drop path draws (a resume was not exact)."""
+    loader = DataLoader(list(range(8)), batch_size=4)
+    torch.manual_seed(0)
+    timed = StepTelemetry(torch.device("cpu"), "fp32").batches(loader)
+    after_iter = torch.get_rng_state()
+    torch.manual_seed(0)
+    iter(loader)
+    assert torch.equal(after_iter, torch.get_rng_state())
+    assert [batch.tolist() for batch in timed] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
                "broadcast_object_list", "barrier", "reduce_scatter_tensor", "gather", "scatter", "send", "recv")
 
