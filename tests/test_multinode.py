@@ -17,8 +17,9 @@ import hashlib
 import re
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,8 +167,17 @@ def _leftovers(state_dir: Path, pids: set[int], mount_namespaces: set[str]) -> l
     return found
 
 
-def test_stop_removes_everything_also_after_a_failed_start(multinode_slurm: sc.LocalCluster, tmp_path: Path):
-    state = tmp_path / "c"
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path: slurmstepd's socket paths in a cluster's state dir must fit in 108
+    bytes, and pytest's ``tmp_path`` under an xdist worker (``.../popen-gw0/<test name>``) does not."""
+    with tempfile.TemporaryDirectory(prefix="lc", dir="/tmp") as folder:
+        yield Path(folder)
+
+
+def test_stop_removes_everything_also_after_a_failed_start(multinode_slurm: sc.LocalCluster, short_dir: Path,
+                                                           tmp_path: Path):
+    state = short_dir / "c"
     failed = subprocess.run(["bash", str(sc.SCRIPT), "start", "--nodes", "2", str(state)], capture_output=True,
                             text=True, env=sc.script_env({"LOCAL_SLURM_TIMEOUT": "0"}), timeout=120)
     assert failed.returncode == 1
@@ -390,9 +400,9 @@ def test_node_failure_leaves_no_half_checkpoint_and_a_one_node_job_finishes_the_
 
 
 def test_srun_without_torchrun_meets_at_the_first_nodes_address(multinode_slurm: sc.LocalCluster):
-    """common.distributed under plain `srun` (no torchrun): rank 0 is on the first node, and every
+    """common.pytorch.distributed under plain `srun` (no torchrun): rank 0 is on the first node, and every
     rank reaches it at that node's NodeAddr."""
-    code = ("import os, torch, torch.distributed as dist; from common.distributed import init_distributed; "
+    code = ("import os, torch, torch.distributed as dist; from common.pytorch.distributed import init_distributed; "
             "info = init_distributed('cpu'); total = torch.tensor([info.rank + 1]); dist.all_reduce(total); "
             "print(os.environ['SLURMD_NODENAME'], info.launcher, info.rank, info.world_size, "
             "os.environ['MASTER_ADDR'], total.item()); dist.destroy_process_group()")
