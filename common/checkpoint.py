@@ -1,42 +1,13 @@
-"""Atomic checkpoints in cycling_utils' AtomicDirectory layout: verified, with fallback and retention.
-
-One layout everywhere, the one the Strong Compute ISC's Checkpoint Artifacts ship::
+"""Atomic checkpoints in cycling_utils' AtomicDirectory layout, the one the Strong Compute ISC's
+Checkpoint Artifacts ship: verified, with fallback to an older one and retention::
 
     checkpoints/
       AtomicDirectory_checkpoint_6_force/   the best by the chosen metric, or a stage milestone
-      AtomicDirectory_checkpoint_7/
-        state.pt          everything that is not sharded (torch.save, loaded with weights_only)
-        sharded/          optional: torch.distributed.checkpoint files (FSDP), every rank's shards
-        compile_cache.tar optional: an attachment (torch.compile's caches: common/compile_cache.py)
-        manifest.json     written last: step, metrics, the run's config, the provenance of the
-                          segment that saved it, sha256 and size of every file
+      AtomicDirectory_checkpoint_7/         state.pt, sharded/ (FSDP), compile_cache.tar, manifest.json
       AtomicDirectory.latest_checkpoint -> /abs/path/checkpoints/AtomicDirectory_checkpoint_7
 
-``N`` counts saves (the step is in the manifest), so a step saved twice (an epoch's last step,
-then again with the epoch's evaluation) is simply a newer directory and nothing is replaced. A
-save is written into ``.tmp-checkpoint_<N>`` (a name that neither the ISC nor AtomicDirectory
-takes for a checkpoint); every file and the directory are fsynced, the manifest is written and
-fsynced, the directory is verified (every file present with the size the manifest records) and
-renamed into place, and only then does the symlink move: a new one is made as
-``AtomicDirectory.latest_checkpoint_temp`` and ``os.replace``d onto the old one. The symlink is
-the commit point: a crash anywhere before it leaves the previous checkpoint as the latest, and a
-directory above the symlink's ``N`` that is not ``_force`` was never committed and is deleted
-when the next manager starts (AtomicDirectory's own rule). The symlink's target is absolute, as
-AtomicDirectory writes it; readers here resolve it by its directory name inside the folder, so a
-folder restored or downloaded to another path resumes all the same.
-
-At an ISC sync only the symlink's target and the ``_force`` directories are shipped; the ISC
-deletes the rest. So a checkpoint is named ``_force`` when its metric beats every earlier one
-(the best is then always kept) or when the recipe marks it as a milestone. With ``keep_last=-1``
-(:data:`KEEP_ALL`, used when the folder is ``CHECKPOINT_ARTIFACT_PATH``) nothing is pruned here;
-otherwise, after each commit, the ``keep_last`` newest steps, the best and the milestones stay and
-older directories are deleted (a directory replaced by a newer one of the same step first). A
-directory is renamed to a ``.tmp-`` name before it is deleted, so a crash while deleting never
-leaves a checkpoint directory with some of its files gone.
-
-Loading verifies the manifest's digests, starting from the symlink's target; a damaged checkpoint
-is reported and the next older valid one is used. Without a symlink (a checkpoint directory
-downloaded on its own) the highest ``N`` comes first.
+The symlink is the commit point; what a crash at each moment leaves, and what is kept: README
+"Outputs, resume and pre-emption" (the steps are in :meth:`CheckpointManager.save`).
 """
 
 from __future__ import annotations
@@ -67,9 +38,9 @@ from common.pytorch import distributed
 
 NAME = "AtomicDirectory"  # cycling_utils' default saver name, so ISC tools and AtomicDirectory readers agree
 LATEST = f"{NAME}.latest_checkpoint"
-LATEST_TEMP = f"{LATEST}_temp"
+_LATEST_TEMP = f"{LATEST}_temp"
 CHECKPOINT_DIR = re.compile(rf"^{NAME}_checkpoint_(\d+)(_force)?$")
-TMP_PREFIX = ".tmp-"
+_TMP_PREFIX = ".tmp-"
 STATE_FILE = "state.pt"
 SHARDED_DIR = "sharded"
 MANIFEST_FILE = "manifest.json"
@@ -77,11 +48,11 @@ KEEP_ALL = -1
 ARTIFACT_PATH_VARIABLE = "CHECKPOINT_ARTIFACT_PATH"
 
 
-def report_to_stderr(message: str) -> None:
+def _report_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def checkpoint_dir_name(index: int, force: bool = False) -> str:
+def _checkpoint_dir_name(index: int, force: bool = False) -> str:
     return f"{NAME}_checkpoint_{index}{'_force' if force else ''}"
 
 
@@ -282,19 +253,19 @@ class HostSnapshot:
         return buffer
 
 
-def tensor_bytes(obj: Any) -> int:
+def _tensor_bytes(obj: Any) -> int:
     """The bytes of every tensor in ``obj`` (nested dicts, lists, tuples); of a sharded tensor
     (a DTensor), its whole size, which is what the checkpoint of all ranks holds."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(tensor_bytes(value) for value in obj.values())
+        return sum(_tensor_bytes(value) for value in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(value) for value in obj)
+        return sum(_tensor_bytes(value) for value in obj)
     return 0
 
 
-def readable_size(size: float) -> str:
+def _readable_size(size: float) -> str:
     """``size`` bytes as 40 B, 3.2 kB, 97.5 MB, 1.2 GB."""
     for unit in ("B", "kB", "MB", "GB"):
         if size < 1024:
@@ -303,7 +274,7 @@ def readable_size(size: float) -> str:
     return f"{size:.1f} TB"
 
 
-def os_error_in(error: BaseException) -> OSError | None:
+def _os_error_in(error: BaseException) -> OSError | None:
     """The OSError behind ``error``: itself, a cause, or one rank's failure in a
     ``torch.distributed.checkpoint`` exception (which wraps each rank's exception)."""
     seen: list[BaseException] = []
@@ -387,7 +358,7 @@ def verify_checkpoint(path: Path, digests: bool = True) -> dict[str, Any]:
     return manifest
 
 
-def load_candidates(directory: Path, log: Callable[[str], None] = report_to_stderr) -> list[Path]:
+def _load_candidates(directory: Path, log: Callable[[str], None] = _report_to_stderr) -> list[Path]:
     """Where to look for the latest checkpoint, in order: the symlink's target, then older
     directories, newest first (all of them, highest ``N`` first, without a symlink)."""
     found = checkpoint_dirs(directory)
@@ -403,10 +374,10 @@ def load_candidates(directory: Path, log: Callable[[str], None] = report_to_stde
 
 
 def newest_valid_checkpoint(directory: Path,
-                            log: Callable[[str], None] = report_to_stderr) -> tuple[Path, dict[str, Any]] | None:
+                            log: Callable[[str], None] = _report_to_stderr) -> tuple[Path, dict[str, Any]] | None:
     """The latest checkpoint whose files match its manifest, and the manifest; a damaged one is
     reported and the previous one tried. Reads only: nothing in ``directory`` changes."""
-    for path in load_candidates(directory, log):
+    for path in _load_candidates(directory, log):
         try:
             return path, verify_checkpoint(path)
         except CheckpointError as error:
@@ -421,6 +392,20 @@ class CheckpointWriteError(UserError):
 
 class CheckpointManager:
     """Saves and finds checkpoints in one directory; safe to use from every rank.
+
+    ``N`` counts saves (the step is in the manifest): a step saved twice is a newer directory, and
+    nothing is replaced. A save is written into ``.tmp-checkpoint_<N>`` (a name neither the ISC
+    nor AtomicDirectory takes for a checkpoint), fsynced, given its manifest, verified and renamed
+    into place; then a new symlink ``AtomicDirectory.latest_checkpoint_temp`` is ``os.replace``d
+    onto the old one, which commits it. A directory above the symlink's ``N`` that is not
+    ``_force`` was never committed and is deleted when the next manager starts (AtomicDirectory's
+    rule). Readers resolve the symlink's absolute target by its name inside the folder, so a folder
+    moved elsewhere resumes. At an ISC sync only the symlink's target and the ``_force``
+    directories ship, so the best and the milestones are ``_force``; with ``keep_last=-1``
+    (:data:`KEEP_ALL`, in ``CHECKPOINT_ARTIFACT_PATH``) nothing is pruned here, otherwise the
+    ``keep_last`` newest steps, the best and the milestones stay. A directory is renamed to a
+    ``.tmp-`` name before it is deleted. Loading verifies the manifest's digests from the newest
+    down and says which damaged checkpoint it skipped.
 
     Rank 0 writes ``state.pt``; with ``sharded_state`` every rank writes its shard through
     ``torch.distributed.checkpoint``. With ``async_save=True`` the state (and each rank's shards)
@@ -440,7 +425,7 @@ class CheckpointManager:
         best_metric: str | None = None,
         best_mode: str = "max",
         async_save: bool = False,
-        log: Callable[[str], None] = report_to_stderr,
+        log: Callable[[str], None] = _report_to_stderr,
     ) -> None:
         if keep_last < 1 and keep_last != KEEP_ALL:
             raise ValueError(f"keep_last must be at least 1, or {KEEP_ALL} to keep every checkpoint")
@@ -480,12 +465,12 @@ class CheckpointManager:
         if list(self.directory.glob("step_*/manifest.json")) and not checkpoint_dirs(self.directory):
             raise UserError(f"{self.directory} holds checkpoints in the older step_<N>/ layout, which this version "
                             f"does not read; finish that run with the version that wrote it, or use a new run_dir")
-        for stale in self.directory.glob(f"{TMP_PREFIX}*"):
+        for stale in self.directory.glob(f"{_TMP_PREFIX}*"):
             if stale.is_dir() and not stale.is_symlink():
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 stale.unlink(missing_ok=True)
-        (self.directory / LATEST_TEMP).unlink(missing_ok=True)
+        (self.directory / _LATEST_TEMP).unlink(missing_ok=True)
         found = checkpoint_dirs(self.directory)
         target = next((found_dir for found_dir in found if found_dir.path.name == latest_name(self.directory)), None)
         for found_dir in found:
@@ -522,8 +507,8 @@ class CheckpointManager:
         metrics = dict(metrics or {})
         index = self._next_index
         self._next_index += 1
-        tmp = self.directory / f"{TMP_PREFIX}checkpoint_{index}"
-        size = tensor_bytes(state) + tensor_bytes(sharded_state)
+        tmp = self.directory / f"{_TMP_PREFIX}checkpoint_{index}"
+        size = _tensor_bytes(state) + _tensor_bytes(sharded_state)
         failure = None
         if self.is_main:
             try:
@@ -533,7 +518,7 @@ class CheckpointManager:
                 failure = self._write_failure(error, size)
         self._raise_if_any_rank_failed(failure)  # also the barrier before every rank writes into tmp
         force = self._is_new_best(metrics) or milestone is not None if self.is_main else False
-        final = self.directory / checkpoint_dir_name(index, force)
+        final = self.directory / _checkpoint_dir_name(index, force)
         manifest = {"format": 2, "step": step, "metrics": metrics, "milestone": milestone}
         if config is not None:
             manifest["config"] = config
@@ -552,7 +537,7 @@ class CheckpointManager:
             if self.is_main:
                 self._write(tmp, final, state, manifest, attachments)
         except BaseException as error:  # torch.distributed.checkpoint raises a BaseException subclass
-            if os_error_in(error) is None:
+            if _os_error_in(error) is None:
                 raise
             failure = self._write_failure(error, size, tmp, final)
         self._raise_if_any_rank_failed(failure)
@@ -593,8 +578,8 @@ class CheckpointManager:
                 shards_written.result()  # every rank's shards are on disk (the write's last step is collective)
             self._write(tmp, final, state, manifest, attachments)
         except BaseException as error:  # reported by the next wait()
-            self._error = CheckpointWriteError(self._write_failure(error, size, tmp, final)) \
-                if os_error_in(error) is not None else error
+            self._error = CheckpointWriteError(self._write_failure(error, size, tmp, final))\
+                if _os_error_in(error) is not None else error
 
     def _write(self, tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any],
                attachments: tuple[Attachment, ...] = ()) -> None:
@@ -636,15 +621,15 @@ class CheckpointManager:
             for partial in (tmp, final):
                 if partial is not None and latest_name(self.directory) != partial.name:
                     shutil.rmtree(partial, ignore_errors=True)
-            (self.directory / LATEST_TEMP).unlink(missing_ok=True)
-        os_error = os_error_in(error)
+            (self.directory / _LATEST_TEMP).unlink(missing_ok=True)
+        os_error = _os_error_in(error)
         cause = (os_error.strerror or str(os_error)) if os_error is not None else str(error).splitlines()[0]
         try:
-            free = f", {readable_size(shutil.disk_usage(self.directory).free)} free there"
+            free = f", {_readable_size(shutil.disk_usage(self.directory).free)} free there"
         except OSError:
             free = ""
         return (f"could not write a checkpoint to {self.directory}: {cause} (a checkpoint needs about "
-                f"{readable_size(size)}{free}); the earlier checkpoints are intact")
+                f"{_readable_size(size)}{free}); the earlier checkpoints are intact")
 
     def _raise_if_any_rank_failed(self, failure: str | None) -> None:
         """Raise :class:`CheckpointWriteError` on every rank when a save failed on any rank, so
@@ -655,7 +640,7 @@ class CheckpointManager:
 
     def _point_latest_at(self, final: Path) -> None:
         """Move the symlink the way AtomicDirectory does: a new link, then ``os.replace``."""
-        temp = self.directory / LATEST_TEMP
+        temp = self.directory / _LATEST_TEMP
         temp.unlink(missing_ok=True)
         os.symlink(os.path.abspath(final), temp)
         os.replace(temp, self.directory / LATEST)
@@ -677,7 +662,7 @@ class CheckpointManager:
         failure = None
         if isinstance(error, CheckpointWriteError):
             failure = str(error)
-        elif error is not None and os_error_in(error) is not None:
+        elif error is not None and _os_error_in(error) is not None:
             failure = self._write_failure(error, self._background_size)
         elif error is not None:
             raise RuntimeError(f"background checkpoint save failed: {error}") from error
@@ -713,7 +698,7 @@ class CheckpointManager:
         """Rename ``path`` out of the layout, then delete it: a crash in the middle of deleting
         leaves a ``.tmp-`` directory, which the next manager removes, never a checkpoint
         directory with some of its files gone."""
-        doomed = self.directory / f"{TMP_PREFIX}deleting-{path.name}"
+        doomed = self.directory / f"{_TMP_PREFIX}deleting-{path.name}"
         os.rename(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
 

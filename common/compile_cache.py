@@ -1,31 +1,13 @@
 """Compiled code that survives restarts: ``torch.compile``'s caches travel inside the checkpoint.
 
-With ``trainer.compile=true`` a cold start spends most of its first step compiling: Dynamo traces
-the model, AOTAutograd derives the backward, Inductor generates kernels and compiles them (C++ on
-a CPU, Triton on a GPU). Inductor keeps the results in its cache folder (``TORCHINDUCTOR_CACHE_DIR``:
-FX graphs, AOTAutograd entries and the compiled kernels), and a process that finds its graphs
-there skips all of it but Dynamo's tracing. That folder is on the node's local disk, which a
-requeued SLURM job on another node, or the next ISC cycle, does not see; so:
-
-* each process compiles into a local folder named by :func:`cache_key`
-  (``<tmp>/recipes-compile-cache-<user>/<key>``, or ``TORCHINDUCTOR_CACHE_DIR`` when it is set);
-* rank 0 attaches a tar of that folder to every checkpoint, as ``compile_cache.tar`` beside
-  ``state.pt`` (:class:`common.checkpoint.Attachment`: its key and sha256 in the manifest, outside
-  the checkpoint's own digests). It is made again only when the folder changed (a new graph: the
-  evaluation's, an epoch's short last batch), and otherwise the same bytes are written again;
-* a process that resumes unpacks the archive of the checkpoint it loads into its local folder
-  before its first compiled step (:meth:`CompileCache.restore`), each file under a temporary name
-  and then renamed, so ranks sharing a node may do it at once.
-
-The archive goes wherever the checkpoint goes: the ISC ships the latest checkpoint directory and
-the ``_force`` ones (the run directory is not enough there), SLURM's requeue finds the run
-directory's checkpoints, a checkpoint copied to another machine brings it along. An archive made
-for another key (another torch, CUDA, Python, device, or source of the recipe and ``common/``),
-or one that is damaged, is ignored with one line, and the run compiles afresh.
-
-Why not ``torch.compiler.save_cache_artifacts()`` (the "mega-cache"): on a CPU it leaves the
-compiled C++ kernels out, so a warm start still compiles them (19.5 s of a 43.5 s cold first step
-with it, 2.6 s with the whole folder, on the same 2 shared cores; see benchmarks/RESULTS.md).
+Each process compiles into a local Inductor cache folder named by :func:`cache_key`; rank 0
+attaches a tar of it to every checkpoint (``compile_cache.tar``, a
+:class:`common.checkpoint.Attachment`), and a resumed process unpacks the archive of the checkpoint
+it loads before its first compiled step, so a requeue on another node or the next ISC cycle skips
+Inductor. An archive for another key, or a damaged one, is ignored with one line. Not
+``torch.compiler.save_cache_artifacts()``: on a CPU it leaves the compiled C++ kernels out (19.5 s
+of a 43.5 s cold first step, against 2.6 s with the whole folder; benchmarks/RESULTS.md). Figures
+and the key: README "Heartbeats, hangs and compiled code".
 """
 
 from __future__ import annotations
@@ -46,7 +28,7 @@ from common.checkpoint import Attachment, CheckpointError, LoadedCheckpoint, rea
 
 ARCHIVE_FILE = "compile_cache.tar"
 CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
-LOCAL_ONLY = ("locks",)  # Inductor's lock files: this machine's
+_LOCAL_ONLY = ("locks",)  # Inductor's lock files: this machine's
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -82,7 +64,7 @@ def cache_key(fields: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def default_folder(key: str) -> Path:
+def _default_folder(key: str) -> Path:
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -97,7 +79,7 @@ class CompileCache:
     def __init__(self, fields: dict[str, str]) -> None:
         self.fields = fields
         self.key = cache_key(fields)
-        self.folder = Path(os.environ.get(CACHE_DIR_VARIABLE) or default_folder(self.key)).resolve()
+        self.folder = Path(os.environ.get(CACHE_DIR_VARIABLE) or _default_folder(self.key)).resolve()
         os.environ[CACHE_DIR_VARIABLE] = str(self.folder)
         self._attachment: Attachment | None = None
         self._listed: list[tuple[str, int, int]] = []
@@ -112,7 +94,7 @@ class CompileCache:
         for directory, folders, files in os.walk(self.folder):
             here = Path(directory)
             if here == self.folder:
-                folders[:] = [name for name in folders if name not in LOCAL_ONLY]
+                folders[:] = [name for name in folders if name not in _LOCAL_ONLY]
             for name in files:
                 if name.startswith("."):  # Inductor's files while it writes them
                     continue

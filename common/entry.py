@@ -1,21 +1,11 @@
-"""The entry point every recipe uses: Hydra main + typed schema + one-line errors.
+"""The entry point every recipe uses: Hydra main, typed schema, one-line errors, exit codes.
 
-``python -m recipes.<r>.train [overrides]`` behaves the same alone or under torchrun:
-* the recipe's schema (its ``RunConfig`` dataclass) is registered with Hydra by :func:`recipe_main`,
-  and Hydra composes the config once, checking every override against it;
-* a bad override (an unknown key, a value of the wrong type, a missing interpolation) ends with
-  one line on stderr and exit code 2, before any work; so does a :class:`~common.errors.UserError`
-  raised by the recipe. Hydra is told to raise its errors (``HYDRA_FULL_ERROR=1``, its documented
-  switch) instead of printing them with a stack trace, so the line is made here;
-* a collective that waits longer than ``trainer.collective_timeout_s`` ends the run as hung, with
-  one line from rank 0 naming the ranks that did not arrive and exit code 4 (``common/heartbeat.py``);
-* SIGTERM/SIGUSR1 end with exit code 75 once the recipe has written its checkpoint; under
-  ``cluster/torchrun.py`` each worker also records its exit code for the launcher (torchrun
-  itself turns any worker's non-zero exit into its own exit code 1);
-* Hydra's own flags work as usual (``--help``, ``-m`` sweeps with a launcher); ``--cfg job``
-  prints the config resolved, as the run will see it;
-* the run directory is the deterministic ``run_dir`` (in a sweep: the sweep directory plus the
-  job's overrides), so a restarted job finds its checkpoints.
+``python -m recipes.<r>.train [overrides]`` behaves the same alone or under torchrun. Hydra composes
+the config once against the recipe's schema (:func:`recipe_main`); a bad override or a
+:class:`~common.errors.UserError` is one line on stderr and exit 2, a stop signal exit 75 once the
+checkpoint is written, a hang exit 4 (README "Exit codes"). Hydra's own flags work as usual
+(``--cfg job`` prints the resolved config), and the run directory is the deterministic
+``run_dir``, so a restarted job finds its checkpoints.
 """
 
 from __future__ import annotations
@@ -67,7 +57,7 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_USER_ERROR)
 
 
-def report_stop(stop: RunStopped) -> None:
+def _report_stop(stop: RunStopped) -> None:
     """Print ``stop``'s line (on rank 0 alone when the ranks agreed on it) and record its exit code
     for the launcher; once."""
     if getattr(stop, "reported", False):
@@ -82,8 +72,8 @@ def report_stop(stop: RunStopped) -> None:
 
 
 def stop_run(stop: RunStopped) -> NoReturn:
-    """Report ``stop`` (:func:`report_stop`) and exit with its code."""
-    report_stop(stop)
+    """Report ``stop`` (:func:`_report_stop`) and exit with its code."""
+    _report_stop(stop)
     sys.exit(stop.exit_code)
 
 
@@ -113,7 +103,7 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def end_hung_process() -> NoReturn:
+def _end_hung_process() -> NoReturn:
     """End a process of a hung run (:mod:`common.heartbeat`) at once with :data:`EXIT_HUNG`, recorded
     for the launcher. Its process group is broken: tearing it down, or an ``atexit`` handler that
     uses it, could wait for ever. Every committed checkpoint is intact, and the standard streams
@@ -144,15 +134,15 @@ def config_error_line(error: BaseException) -> str:
     return ": ".join(list(dict.fromkeys(messages))[:2]) or "invalid configuration"
 
 
-def schema_name(recipe: str) -> str:
+def _schema_name(recipe: str) -> str:
     """The name a recipe's schema has in Hydra's ConfigStore; ``conf/<recipe>.yaml`` lists it first."""
     return f"{recipe}_schema"
 
 
 def register_schema(schema: type[RunConfig]) -> str:
-    """Store ``schema`` in Hydra's ConfigStore under :func:`schema_name`; return its recipe."""
+    """Store ``schema`` in Hydra's ConfigStore under :func:`_schema_name`; return its recipe."""
     recipe = schema.recipe
-    ConfigStore.instance().store(name=schema_name(recipe), node=schema)
+    ConfigStore.instance().store(name=_schema_name(recipe), node=schema)
     return recipe
 
 
@@ -228,7 +218,7 @@ def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]
     printed once, and nothing is written. A stop every rank agreed on (a refused lock, a divergence)
     is reported before any rank exits: a launcher that sees one rank end stops the others. Every
     rank then keeps a heartbeat in the run directory, and a collective's timeout ends the run as
-    hung (:func:`common.heartbeat.beating`, :func:`end_hung_process`). A CUDA out-of-memory error
+    hung (:func:`common.heartbeat.beating`, :func:`_end_hung_process`). A CUDA out-of-memory error
     becomes a one-line error (``common/profiling.py``; with ``profile.memory_on_oom`` the allocation
     history is recorded from here on, and dumped then)."""
     with distributed_process(cfg, hang_dir=Path(cfg.run_dir) / heartbeat.HANG_DIR, **process_group) as dist_info:
@@ -249,14 +239,14 @@ def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]
                 if refusal is not None:
                     raise UserError(refusal, agreed=True)
                 if dist_info.is_main:
-                    path = record_config(cfg)
+                    path = _record_config(cfg)
                     print(f"config ({path}):\n{OmegaConf.to_yaml(plain_config(cfg))}", end="", flush=True)
                 held.enter_context(heartbeat.beating(cfg.run_dir, dist_info.rank, dist_info.world_size,
-                                                     cfg.trainer.collective_timeout_s, end_hung_process))
+                                                     cfg.trainer.collective_timeout_s, _end_hung_process))
                 yield dist_info
         except RunStopped as stop:
             if stop.agreed:
-                report_stop(stop)
+                _report_stop(stop)
                 distributed.barrier()
             raise
         except torch.OutOfMemoryError as error:
@@ -264,7 +254,7 @@ def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]
                                       cfg.trainer.global_batch_size) from error
 
 
-def record_config(cfg: RunConfig) -> Path:
+def _record_config(cfg: RunConfig) -> Path:
     """``.hydra/config.yaml`` (and ``overrides.yaml`` when Hydra composed ``cfg``) in the run
     directory, where Hydra would write them (:func:`common.config.config_record`); written here,
     once the run's lock is held, so that a launch refused by the lock leaves the running one's

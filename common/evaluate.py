@@ -42,7 +42,7 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def evaluate_run(run: TrainedRun, spec: RecipeSpec, split: str, dist_info: DistInfo) -> dict[str, Any]:
+def _evaluate_run(run: TrainedRun, spec: RecipeSpec, split: str, dist_info: DistInfo) -> dict[str, Any]:
     """Build the recipe's model and its evaluation of ``split``, load the checkpoint into the model
     (and into a copy its EMA, if the checkpoint keeps one), evaluate on every rank; the report."""
     evaluate = spec.evaluator(run.cfg, dist_info, split)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         if split not in spec.splits:
             raise UserError(f"{run.recipe} has no {split} split to evaluate: its data has {', '.join(spec.splits)}")
         with distributed_process(run.cfg, **spec.process_group(run.cfg)) as dist_info:
-            report = evaluate_run(run, spec, split, dist_info)
+            report = _evaluate_run(run, spec, split, dist_info)
             if dist_info.is_main:
                 path = write_json(run.run_dir / eval_file_name(split, run.which), report)
                 print(path.read_text(), end="")

@@ -3,27 +3,12 @@
     make export RUN=<run dir | checkpoint folder | checkpoint> [WHICH=latest|best|<name>] [OUT=<folder>] [ARGS=...]
     python -m common.export RUN [--which W] [--out DIR] [key=value ...]
 
-The folder (``<run dir>/export-<which>/`` unless ``--out`` says otherwise) holds:
-
-* ``model.safetensors``: the weights, FSDP shards consolidated; the EMA of the weights where the
-  recipe keeps one (the file's header and ``metadata.json`` say which), named as the library the
-  model comes from names them, so timm (``timm.create_model(name, pretrained=True,
-  pretrained_cfg_overlay=dict(file=...))``), torchvision or transformers (``from_pretrained``)
-  load it as it is; a recipe may put some tensors in a second file (fungitastic's rank heads);
-* ``metadata.json``: what rebuilding needs: the recipe, its model config, the input size and
-  normalisation, the class names (fungitastic: its taxonomic mappings), how the library loads
-  the file, the metrics of the checkpoint and where it came from (path, step, the sha256 of its
-  manifest, and ``weights_digest``: ``summary.json``'s ``model_digest``, or ``ema_digest``, of
-  those weights);
-* whatever else the library needs (dinov2_fsdp with transformers: ``config.json``).
-
-:func:`load_export` rebuilds the model from such a folder alone; the export reads itself back
-that way before it reports success. ``init_from=<export>`` starts a run from it.
-
-What is recipe-specific comes from the recipe's ``SPEC`` (``recipes/<recipe>/spec.py``): the
-export names of its tensors (the longest matching prefix wins, both ways), its classifier head
-(``init_skip_head=true`` leaves it out), the metadata, the model rebuilt from an export, and any
-extra files.
+The weights are named as the model's library names them (timm, torchvision and transformers load
+the file as it is), FSDP shards consolidated, the EMA where the recipe keeps one; ``metadata.json``
+holds what rebuilding needs and where the weights came from. :func:`load_export` rebuilds the model
+from the folder alone (the export reads itself back that way before it reports success). What is
+recipe-specific comes from the recipe's ``SPEC`` (``recipes/<recipe>/spec.py``). README "After
+training".
 """
 
 from __future__ import annotations
@@ -49,9 +34,9 @@ from common.recipes import load_recipe
 from common.summary import state_digest
 from common.trained import LATEST, TrainedRun, checkpoint_weights, open_run, read_state
 
-METADATA_FILE = "metadata.json"
-WEIGHTS_FILE = "model.safetensors"
-EXPORT_FORMAT = 2  # 2: fungitastic names taxonomic levels "levels" (was "ranks")
+_METADATA_FILE = "metadata.json"
+_WEIGHTS_FILE = "model.safetensors"
+_EXPORT_FORMAT = 2  # 2: fungitastic names taxonomic levels "levels" (was "ranks")
 
 
 def rename(state: dict[str, Any], prefixes: list[tuple[str, str]], to_export: bool) -> dict[str, Any]:
@@ -69,7 +54,7 @@ def rename(state: dict[str, Any], prefixes: list[tuple[str, str]], to_export: bo
     return renamed
 
 
-def model_config(recipe: str, saved: dict[str, Any]) -> Any:
+def _model_config(recipe: str, saved: dict[str, Any]) -> Any:
     """A recipe's ``model`` node (its schema's dataclass) from plain data, checked against the schema."""
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(recipe_schema(recipe)).model, saved))
@@ -135,11 +120,11 @@ def export_run(run: TrainedRun, out: Path) -> Path:
     files: dict[str, dict[str, torch.Tensor]] = {}
     routes = sorted(spec.export_files.items(), key=lambda route: len(route[0]), reverse=True)
     for key, tensor in exported.items():
-        file = next((name for prefix, name in routes if key.startswith(prefix)), WEIGHTS_FILE)
+        file = next((name for prefix, name in routes if key.startswith(prefix)), _WEIGHTS_FILE)
         files.setdefault(file, {})[key] = tensor
     manifest_sha = hashlib.sha256((run.checkpoint / MANIFEST_FILE).read_bytes()).hexdigest()
     metadata = {
-        "format": EXPORT_FORMAT,
+        "format": _EXPORT_FORMAT,
         "recipe": run.recipe,
         "weights": kind,
         "files": sorted(files),
@@ -158,7 +143,7 @@ def export_run(run: TrainedRun, out: Path) -> Path:
         save_file(_safetensors_ready(state), str(tmp / file), metadata=header)
     if spec.write_export_extras is not None:
         spec.write_export_extras(run.cfg, tmp, metadata)
-    (tmp / METADATA_FILE).write_text(jsonfiles.dumps(metadata, indent=2) + "\n")
+    (tmp / _METADATA_FILE).write_text(jsonfiles.dumps(metadata, indent=2) + "\n")
     _readable_as_umask_allows(tmp)
     model, _ = load_export(tmp)  # the export rebuilds the model by itself, with exactly these weights
     if state_digest(model.state_dict()) != metadata["source"]["weights_digest"]:
@@ -169,17 +154,17 @@ def export_run(run: TrainedRun, out: Path) -> Path:
 
 
 def is_export(folder: Path) -> bool:
-    return (folder / METADATA_FILE).is_file() and (folder / WEIGHTS_FILE).is_file()
+    return (folder / _METADATA_FILE).is_file() and (folder / _WEIGHTS_FILE).is_file()
 
 
 def read_metadata(folder: Path) -> dict[str, Any]:
     try:
-        metadata = json.loads((folder / METADATA_FILE).read_text())
+        metadata = json.loads((folder / _METADATA_FILE).read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"{folder / METADATA_FILE} is not readable ({error}): export the run again") from error
-    if metadata.get("format") != EXPORT_FORMAT:
+        raise UserError(f"{folder / _METADATA_FILE} is not readable ({error}): export the run again") from error
+    if metadata.get("format") != _EXPORT_FORMAT:
         raise UserError(f"{folder} is an export of format {metadata.get('format')}; this version reads "
-                        f"{EXPORT_FORMAT}: export the run again")
+                        f"{_EXPORT_FORMAT}: export the run again")
     return metadata
 
 
@@ -202,7 +187,7 @@ def load_export(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
     folder = Path(folder)
     metadata = read_metadata(folder)
     spec = load_recipe(metadata["recipe"])
-    model_cfg = model_config(metadata["recipe"], metadata["model"])
+    model_cfg = _model_config(metadata["recipe"], metadata["model"])
     model = spec.model_from_export(model_cfg, metadata, folder)
     state = rename(read_export_weights(folder, metadata), spec.export_names(model_cfg), to_export=False)
     try:
@@ -228,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(user_message(error))
     metadata = read_metadata(out)
     print(f"exported {metadata['weights']} weights of {run.checkpoint} (step {run.manifest['step']}) to {out}: "
-          f"{', '.join(metadata['files'])}, {METADATA_FILE}")
+          f"{', '.join(metadata['files'])}, {_METADATA_FILE}")
 
 
 if __name__ == "__main__":

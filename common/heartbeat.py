@@ -1,31 +1,12 @@
 """Where every rank is, and a hang that says where: heartbeats, stacks and one line.
 
-Every rank of a training run keeps ``<run_dir>/heartbeat/rank<N>.json`` up to date: host, pid,
-its last optimizer step, the phase it is in (:data:`DATA`, :data:`FORWARD_BACKWARD`,
-:data:`OPTIMIZER`, a named collective, :data:`SAVE`, :data:`EVALUATION`...) and since when. The
-run contract (``common/run.py``) marks the phases as it hands out micro-batches, steps and saves;
-a mark is one attribute write, and a background thread writes the file every
-:attr:`Heartbeat.interval_s` seconds (no fsync, nothing that waits for the device).
-
-A collective that waits longer than ``trainer.collective_timeout_s`` makes the run stop as hung:
-
-* a rank whose collective failed (gloo raises ``Timed out waiting ...`` in the ranks that
-  arrived) appends its stacks to ``<run_dir>/hang/rank<N>-stacks.txt`` (the failed call's
-  traceback, then every thread's), marks its heartbeat ``waited`` and declares the hang
-  (``hang/declared.json``);
-* every other rank's heartbeat thread sees the declaration and, once its own phase has lasted
-  longer than the timeout (so that it cannot be a rank about to time out itself), appends its
-  stacks (the frame it is stuck in) and marks its heartbeat ``stopped``;
-* rank 0 waits until every rank has said which (at most a minute), prints one line naming the
-  ranks that did not arrive, their hosts, last phase and step (:func:`hang_line`), writes it to
-  ``hang/report.txt``, and every rank exits with :data:`~common.errors.EXIT_HUNG`, without tearing
-  down the broken process group. When rank 0 cannot (it is frozen, or NCCL aborted it),
-  ``cluster/torchrun.py`` prints the line from the heartbeat files.
-
-On NCCL the flight recorder also dumps each rank's last collectives into ``hang/``
-(:func:`common.pytorch.distributed.enable_flight_recorder`). NCCL aborts a process whose collective
-timed out, so there the heartbeat thread appends a rank's stacks as soon as its phase has lasted
-longer than the timeout, before that abort.
+Every rank keeps ``<run_dir>/heartbeat/rank<N>.json`` (host, pid, last step, phase, since when),
+rewritten by a background thread from phase marks that cost one attribute write. A collective that
+waits longer than ``trainer.collective_timeout_s`` stops the run as hung: the waiting ranks and the
+stalled ones append their stacks under ``hang/``, rank 0 prints one line naming the ranks that did
+not arrive (:func:`hang_line`) and every rank exits with :data:`~common.errors.EXIT_HUNG` without
+tearing down the broken process group. The sequence, NCCL's flight recorder and the launcher's
+part: README "Heartbeats, hangs and compiled code".
 """
 
 from __future__ import annotations
@@ -49,11 +30,11 @@ from common.errors import EXIT_HUNG
 
 HEARTBEAT_DIR = "heartbeat"
 HANG_DIR = "hang"
-DECLARED_FILE = "declared.json"
+_DECLARED_FILE = "declared.json"
 REPORT_FILE = "report.txt"
 
 # Phases, as the heartbeat names them.
-START_UP = "start-up"
+_START_UP = "start-up"
 DATA = "data"
 FORWARD_BACKWARD = "forward/backward"  # with DDP's all-reduce of the gradients
 OPTIMIZER = "optimizer step"
@@ -68,8 +49,8 @@ EVALUATION = "evaluation"
 WAITED = "waited"  # its collective failed: it arrived
 STOPPED = "stopped"  # it saw another rank declare the hang while it was elsewhere
 
-SETTLE_S = 60.0  # the longest rank 0 waits for every rank to say how it took part
-TIMEOUT_PATTERN = re.compile(r"timed? ?out", re.IGNORECASE)
+_SETTLE_S = 60.0  # the longest rank 0 waits for every rank to say how it took part
+_TIMEOUT_PATTERN = re.compile(r"timed? ?out", re.IGNORECASE)
 
 _current: Heartbeat | None = None
 
@@ -104,7 +85,7 @@ def at_step(step: int) -> None:
 def is_timeout(error: BaseException) -> bool:
     """Whether ``error``, or an error it was raised from, is a collective's timeout."""
     while error is not None:
-        if isinstance(error, RuntimeError) and TIMEOUT_PATTERN.search(str(error)):
+        if isinstance(error, RuntimeError) and _TIMEOUT_PATTERN.search(str(error)):
             return True
         error = error.__cause__ or error.__context__
     return False
@@ -132,7 +113,7 @@ def clear(run_dir: str | Path) -> None:
     lock, before any rank of this launch starts its heartbeat). Stacks stay: a new hang appends."""
     for path in (Path(run_dir) / HEARTBEAT_DIR).glob("rank*.json"):
         path.unlink(missing_ok=True)
-    for name in (DECLARED_FILE, REPORT_FILE):
+    for name in (_DECLARED_FILE, REPORT_FILE):
         (Path(run_dir) / HANG_DIR / name).unlink(missing_ok=True)
 
 
@@ -186,7 +167,7 @@ class Heartbeat:
         self.interval_s = min(10.0, max(0.5, timeout_s / 10))
         self.host = socket.gethostname()
         self.step = 0
-        self.where = (START_UP, time.time())  # (phase, since): one tuple, so the thread reads a consistent pair
+        self.where = (_START_UP, time.time())  # (phase, since): one tuple, so the thread reads a consistent pair
         self.hang: str | None = None
         self.file = self.run_dir / HEARTBEAT_DIR / f"rank{rank}.json"
         self.hang_dir = self.run_dir / HANG_DIR
@@ -230,7 +211,7 @@ class Heartbeat:
                 continue
             phase, since = self.where
             stuck_s = time.time() - since
-            if (self.hang_dir / DECLARED_FILE).exists() and stuck_s > self.timeout_s + self.interval_s:
+            if (self.hang_dir / _DECLARED_FILE).exists() and stuck_s > self.timeout_s + self.interval_s:
                 self.hung(STOPPED)
             if stuck_s > self.timeout_s and self._stuck_since_reported != since:
                 self._stuck_since_reported = since
@@ -274,13 +255,13 @@ class Heartbeat:
 
     def _declare(self) -> None:
         record = {"rank": self.rank, "host": self.host, "time": time.time()}
-        with contextlib.suppress(FileExistsError, OSError), open(self.hang_dir / DECLARED_FILE, "x") as out:
+        with contextlib.suppress(FileExistsError, OSError), open(self.hang_dir / _DECLARED_FILE, "x") as out:
             out.write(json.dumps(record))
 
     def _settle(self) -> list[dict[str, Any] | None]:
         """The heartbeats once every rank has said how it took part in the hang, or at the deadline
         (a rank that is frozen or gone never says)."""
-        deadline = time.monotonic() + min(self.timeout_s, SETTLE_S) + 2 * self.interval_s
+        deadline = time.monotonic() + min(self.timeout_s, _SETTLE_S) + 2 * self.interval_s
         while True:
             beats = read_heartbeats(self.run_dir, self.world_size)
             if all(beat is not None and beat.get("hang") for beat in beats) or time.monotonic() > deadline:
@@ -301,7 +282,7 @@ def beating(run_dir: str | Path, rank: int, world_size: int, timeout_s: float,
     try:
         yield beat
     except Exception as error:
-        if beat.distributed and (is_timeout(error) or (beat.hang_dir / DECLARED_FILE).exists()):
+        if beat.distributed and (is_timeout(error) or (beat.hang_dir / _DECLARED_FILE).exists()):
             beat.hung(WAITED, error)
         raise
     finally:

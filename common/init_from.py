@@ -24,7 +24,7 @@ from common.recipes import load_recipe
 from common.trained import LATEST, checkpoint_weights, open_run
 
 
-def source_weights(source: str) -> tuple[dict[str, torch.Tensor], str]:
+def _source_weights(source: str) -> tuple[dict[str, torch.Tensor], str]:
     """The weights of ``source`` in export names, and a line saying what they are."""
     path = Path(source)
     if is_export(path):
@@ -37,7 +37,7 @@ def source_weights(source: str) -> tuple[dict[str, torch.Tensor], str]:
     return exported, f"the {kind} weights of {run.checkpoint} ({run.recipe}, step {run.manifest['step']})"
 
 
-def model_shapes(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Size]:
+def _model_shapes(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Size]:
     """Every tensor of the model's state and its whole shape (an FSDP shard's global shape)."""
     if sharded:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -51,7 +51,7 @@ def initialize_model(model: torch.nn.Module, model_cfg: Any, recipe: str, source
     """Load ``source``'s weights into ``model`` (of ``recipe``, built from ``model_cfg``; FSDP-sharded
     with ``sharded``, then collectively on every rank) and return what was loaded."""
     try:
-        exported, description = source_weights(source)
+        exported, description = _source_weights(source)
         target = load_recipe(recipe)
         renamed = rename(exported, target.export_names(model_cfg), to_export=False)
     except UserError as error:
@@ -59,7 +59,7 @@ def initialize_model(model: torch.nn.Module, model_cfg: Any, recipe: str, source
     head = tuple(target.head_names(model_cfg))
     heads = head if skip_head else ()
     state = {key: value for key, value in renamed.items() if not key.startswith(heads)}
-    shapes = {key: shape for key, shape in model_shapes(model, sharded).items() if not key.startswith(heads)}
+    shapes = {key: shape for key, shape in _model_shapes(model, sharded).items() if not key.startswith(heads)}
     for key, shape in shapes.items():
         hint = "; init_skip_head=true leaves the classifier head out" if key.startswith(head) else ""
         if key not in state:

@@ -18,24 +18,24 @@ from typing import Any
 NON_FINITE_KEY = "non_finite"
 
 
-def finite_or_none(value: Any, path: str, replaced: list[str]) -> Any:
+def _finite_or_none(value: Any, path: str, replaced: list[str]) -> Any:
     """``value`` with every float that is not finite (nested in dicts, lists, tuples) as None;
     the dotted path of each one replaced is appended to ``replaced``."""
     if isinstance(value, float) and not math.isfinite(value):
         replaced.append(path)
         return None
     if isinstance(value, dict):
-        return {key: finite_or_none(item, f"{path}.{key}" if path else str(key), replaced)
+        return {key: _finite_or_none(item, f"{path}.{key}" if path else str(key), replaced)
                 for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [finite_or_none(item, f"{path}[{index}]", replaced) for index, item in enumerate(value)]
+        return [_finite_or_none(item, f"{path}[{index}]", replaced) for index, item in enumerate(value)]
     return value
 
 
 def dumps(obj: Any, **options: Any) -> str:
     """``json.dumps`` that never writes NaN or Infinity (see the module)."""
     replaced: list[str] = []
-    converted = finite_or_none(obj, "", replaced)
+    converted = _finite_or_none(obj, "", replaced)
     if replaced and isinstance(converted, dict):
         converted[NON_FINITE_KEY] = replaced
     return json.dumps(converted, allow_nan=False, **options)

@@ -27,7 +27,7 @@ from common import jsonfiles
 from common.config import plain_config
 
 METRICS_FILE = "metrics.jsonl"
-BACKENDS = ("tensorboard", "wandb", "none")
+_BACKENDS = ("tensorboard", "wandb", "none")
 
 
 def read_metrics_file(path: Path) -> list[dict[str, Any]]:
@@ -109,7 +109,7 @@ class RunLogger:
         progress_bar: bool = True,
         wandb_id: str | None = None,
     ) -> None:
-        if backend not in BACKENDS:
+        if backend not in _BACKENDS:
             raise ValueError(f"logging backend must be tensorboard, wandb or none, not {backend!r}")
         self.is_main = is_main
         self.progress_bar = progress_bar and is_main

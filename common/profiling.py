@@ -12,7 +12,7 @@ https://pytorch.org/memory_viz). :class:`StepProfiler` is driven by the run cont
 CUDA out-of-memory error then dumps it (``rank<r>-oom-step<n>.memory.pickle``), and the run ends
 with one line naming the snapshot and the step, and the batch settings to try
 (:func:`out_of_memory_error`). Recording costs some speed and host memory (the last
-:data:`MEMORY_HISTORY_ENTRIES` allocations, with their Python stacks).
+:data:`_MEMORY_HISTORY_ENTRIES` allocations, with their Python stacks).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from common.config import ProfileConfig
 from common.errors import UserError
 from common.pytorch.distributed import DistInfo
 
-PROFILE_DIR = "profile"
-MEMORY_HISTORY_ENTRIES = 100_000
-MEMORY_VIEWER = "https://pytorch.org/memory_viz"
+_PROFILE_DIR = "profile"
+_MEMORY_HISTORY_ENTRIES = 100_000
+_MEMORY_VIEWER = "https://pytorch.org/memory_viz"
 
 _recording_memory = False  # this process records CUDA allocations (one history per process)
 _current: StepProfiler | None = None  # the process's run, for the step an out-of-memory error names
@@ -43,19 +43,19 @@ def record_memory_history(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     if not _recording_memory:
-        torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=MEMORY_HISTORY_ENTRIES)
+        torch.cuda.memory._record_memory_history(enabled="all", stacks="python", max_entries=_MEMORY_HISTORY_ENTRIES)
         _recording_memory = True
     return True
 
 
-def stop_memory_history() -> None:
+def _stop_memory_history() -> None:
     global _recording_memory
     if _recording_memory:
         torch.cuda.memory._record_memory_history(enabled=None)
         _recording_memory = False
 
 
-def dump_memory_snapshot(path: Path) -> Path:
+def _dump_memory_snapshot(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.cuda.memory._dump_snapshot(str(path))
     return path
@@ -73,7 +73,7 @@ class StepProfiler:
             raise UserError(f"profile.start_step ({cfg.start_step}) and profile.active_steps ({cfg.active_steps}) "
                             f"must be at least 1")
         self.cfg = cfg
-        self.folder = Path(run_dir) / PROFILE_DIR
+        self.folder = Path(run_dir) / _PROFILE_DIR
         self.dist_info = dist_info
         self.console = console
         self.keep_memory_history = keep_memory_history  # profile.memory_on_oom: recording since the start
@@ -133,11 +133,11 @@ class StepProfiler:
         written = [f"a trace in {trace.parent}/rank<r>-step{self.cfg.start_step}.pt.trace.json.gz per rank "
                    f"(https://ui.perfetto.dev)"]
         if self._memory:
-            snapshot = dump_memory_snapshot(self._name(".memory.pickle"))
+            snapshot = _dump_memory_snapshot(self._name(".memory.pickle"))
             if not self.keep_memory_history:
-                stop_memory_history()
+                _stop_memory_history()
             written.append(f"a memory snapshot in {snapshot.parent}/rank<r>-step{self.cfg.start_step}"
-                           f".memory.pickle ({MEMORY_VIEWER})")
+                           f".memory.pickle ({_MEMORY_VIEWER})")
             self._memory = False
         self.console(f"profile of optimizer steps {self.cfg.start_step}-{self.last}: " + "; ".join(written))
 
@@ -160,10 +160,10 @@ def out_of_memory_error(error: torch.OutOfMemoryError, run_dir: str | Path, dist
     line = (f"out of {dist_info.device.type.upper()} memory {where} on rank {dist_info.rank} "
             f"({socket.gethostname()}){f' ({cause.group(0)})' if cause else ''}")
     if _recording_memory:
-        name = f"rank{dist_info.rank}-oom-step{step}.memory.pickle" if step is not None else \
+        name = f"rank{dist_info.rank}-oom-step{step}.memory.pickle" if step is not None else\
             f"rank{dist_info.rank}-oom.memory.pickle"
-        snapshot = dump_memory_snapshot(Path(run_dir) / PROFILE_DIR / name)
-        line += f"; memory snapshot: {snapshot} ({MEMORY_VIEWER})"
+        snapshot = _dump_memory_snapshot(Path(run_dir) / _PROFILE_DIR / name)
+        line += f"; memory snapshot: {snapshot} ({_MEMORY_VIEWER})"
     elif dist_info.device.type == "cuda":
         line += "; profile.memory_on_oom=true would save a memory snapshot of it"
     smaller = smaller_batch(batch_size, global_batch // dist_info.world_size)

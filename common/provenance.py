@@ -40,18 +40,18 @@ from common import jsonfiles
 from common.pytorch import distributed
 from common.pytorch.distributed import DistInfo
 
-PROVENANCE_FILE = "provenance.jsonl"
-PROVENANCE_DIR = "provenance"
-CODE_DIR = Path(__file__).resolve().parents[1]  # the checkout whose code runs
-GIT_TIMEOUT_S = 10.0  # for all of a segment's git calls together
-SLURM_VARIABLES = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
+_PROVENANCE_FILE = "provenance.jsonl"
+_PROVENANCE_DIR = "provenance"
+_CODE_DIR = Path(__file__).resolve().parents[1]  # the checkout whose code runs
+_GIT_TIMEOUT_S = 10.0  # for all of a segment's git calls together
+_SLURM_VARIABLES = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
                    "array_task_id": "SLURM_ARRAY_TASK_ID", "restart_count": "SLURM_RESTART_COUNT"}
 # What the Strong Compute ISC sets for an experiment (cluster/README.md; EXPERIMENT_ID as in its isc-demos).
 ISC_VARIABLES = {"experiment_id": "EXPERIMENT_ID", "checkpoint_artifact_path": "CHECKPOINT_ARTIFACT_PATH",
                  "lossy_artifact_path": "LOSSY_ARTIFACT_PATH"}
 # What a bit-identical resume needs unchanged (trainer.deterministic; see README "When a resumed run is bit-identical").
-BIT_IDENTITY_FIELDS = ("device", "gpu", "driver", "torch", "cuda", "cudnn")
-UNTRACKED_LISTED = 20  # untracked files named in a record, at most
+_BIT_IDENTITY_FIELDS = ("device", "gpu", "driver", "torch", "cuda", "cudnn")
+_UNTRACKED_LISTED = 20  # untracked files named in a record, at most
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class GitState:
     note: str | None = None
 
 
-def git_state(folder: Path = CODE_DIR, timeout_s: float = GIT_TIMEOUT_S) -> GitState:
+def git_state(folder: Path = _CODE_DIR, timeout_s: float = _GIT_TIMEOUT_S) -> GitState:
     """The commit of the checkout holding ``folder``, whether it has changes, and what they are.
     Never raises and never takes much longer than ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -135,7 +135,7 @@ def driver_version() -> str | None:
         return None
 
 
-def nccl_version() -> str | None:
+def _nccl_version() -> str | None:
     try:
         version = torch.cuda.nccl.version()
     except Exception:  # noqa: BLE001 (a build without NCCL)
@@ -151,7 +151,7 @@ def machine(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "nccl": nccl_version() if cuda else None,
+        "nccl": _nccl_version() if cuda else None,
         "device": device.type,
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
         "gpu_count": torch.cuda.device_count() if cuda else None,
@@ -166,7 +166,7 @@ def variables(names: dict[str, str]) -> dict[str, str] | None:
     return found or None
 
 
-def hydra_overrides() -> list[str] | None:
+def _hydra_overrides() -> list[str] | None:
     """The overrides Hydra composed this run's config with (None outside a Hydra run)."""
     from hydra.core.hydra_config import HydraConfig
 
@@ -175,7 +175,7 @@ def hydra_overrides() -> list[str] | None:
 
 def read_records(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of ``provenance.jsonl``, oldest first; a line cut short by a kill is left out."""
-    path = Path(run_dir) / PROVENANCE_FILE
+    path = Path(run_dir) / _PROVENANCE_FILE
     try:
         lines = path.read_text().splitlines()
     except OSError:
@@ -201,7 +201,7 @@ def _write_once(path: Path, data: bytes) -> None:
 
 def append_record(run_dir: str | Path, record: dict[str, Any]) -> Path:
     """Append ``record`` to ``provenance.jsonl`` as one line (after a line a kill cut short, on a new one)."""
-    path = Path(run_dir) / PROVENANCE_FILE
+    path = Path(run_dir) / _PROVENANCE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as handle:
         start = b""
@@ -232,11 +232,11 @@ def _this_segment(run_dir: Path, dist_info: DistInfo, resumed_from: dict[str, An
     git = git_state()
     diff_file = None
     if git.diff:
-        diff_file = f"{PROVENANCE_DIR}/segment-{segment}.diff"
+        diff_file = f"{_PROVENANCE_DIR}/segment-{segment}.diff"
         _write_once(run_dir / diff_file, git.diff)
     packages = installed_packages()
     packages_hash = hashlib.sha256(packages.encode()).hexdigest()[:16]
-    packages_file = f"{PROVENANCE_DIR}/env-{packages_hash}.txt"
+    packages_file = f"{_PROVENANCE_DIR}/env-{packages_hash}.txt"
     _write_once(run_dir / packages_file, packages.encode())
     return {
         "segment": segment,
@@ -245,14 +245,14 @@ def _this_segment(run_dir: Path, dist_info: DistInfo, resumed_from: dict[str, An
         "git_commit": git.commit,
         "git_dirty": git.dirty,
         "git_diff": diff_file,
-        "git_untracked": git.untracked[:UNTRACKED_LISTED],
+        "git_untracked": git.untracked[:_UNTRACKED_LISTED],
         **({"git_note": git.note} if git.note else {}),
         "command": list(sys.orig_argv),  # the interpreter, its options (-m recipes.<r>.train) and the arguments
-        "overrides": hydra_overrides(),
+        "overrides": _hydra_overrides(),
         **machine(dist_info.device),
         "world_size": dist_info.world_size,
         "hosts": None,
-        "slurm": variables(SLURM_VARIABLES),
+        "slurm": variables(_SLURM_VARIABLES),
         "isc": variables(ISC_VARIABLES),
         "packages": packages_file,
         "packages_hash": packages_hash,
@@ -260,10 +260,10 @@ def _this_segment(run_dir: Path, dist_info: DistInfo, resumed_from: dict[str, An
 
 
 def bit_identity_differences(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
-    """What differs, of what a bit-identical resume needs (:data:`BIT_IDENTITY_FIELDS`), between
+    """What differs, of what a bit-identical resume needs (:data:`_BIT_IDENTITY_FIELDS`), between
     the segment that wrote a checkpoint (``saved``; None: a checkpoint older than these records)
     and this one: ``["gpu NVIDIA A100-SXM4-80GB (now NVIDIA H100 80GB HBM3)", ...]``."""
     if not saved:
         return []
-    return [f"{name} {saved.get(name)} (now {current.get(name)})" for name in BIT_IDENTITY_FIELDS
+    return [f"{name} {saved.get(name)} (now {current.get(name)})" for name in _BIT_IDENTITY_FIELDS
             if saved.get(name) != current.get(name)]

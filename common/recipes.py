@@ -31,7 +31,7 @@ class Evaluate(Protocol):
     def __call__(self, model: nn.Module, of_ema: bool = False) -> dict[str, float]: ...
 
 
-def no_process_group_options(cfg: Any) -> dict[str, Any]:
+def _no_process_group_options(cfg: Any) -> dict[str, Any]:
     return {}
 
 
@@ -54,7 +54,7 @@ class RecipeSpec:
     model_from_export: Callable[[Any, dict[str, Any], Path], nn.Module]  # ``(model_cfg, metadata, folder)``
     export_files: dict[str, str] = field(default_factory=dict)  # export name prefix -> file, beside model.safetensors
     write_export_extras: Callable[[Any, Path, dict[str, Any]], None] | None = None  # e.g. transformers' config.json
-    process_group: Callable[[Any], dict[str, Any]] = no_process_group_options
+    process_group: Callable[[Any], dict[str, Any]] = _no_process_group_options
     """``(cfg)``: options for ``common.pytorch.distributed.init_distributed`` the model needs (FSDP2 on one GPU)."""
 
 

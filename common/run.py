@@ -1,56 +1,19 @@
 """The run contract, in one place: resume, checkpoints by steps, wall clock and signals, the
-pre-emption exit, and the finish with ``summary.json``.
-
-A recipe builds one :class:`TrainingRun` from the objects a checkpoint holds (model, optimizer,
-LR schedule, grad scaler, sampler, train metric sums, any extra state such as an EMA) and keeps
-its loop (forward, backward, optimizer step, evaluation) in its own ``train.py``::
+pre-emption exit, and the finish with ``summary.json``. A recipe hands :class:`TrainingRun` what a
+checkpoint holds and keeps its own loop::
 
     run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, ...)
     progress = run.resume()                          # the newest valid checkpoint, if any
     while not run.training_done():
         for group in run.steps(micro_batches):       # one optimizer step per group of micro-batches
             ...forward, backward, optimizer step...
-            run.step_done(group.samples)
+            run.step_done(group.samples, grad_norm)
             ...log every trainer.log_every_steps: run.log_train(...)
         run.end_epoch(evaluate)                      # evaluates (when due) and saves
     run.finish(evaluate)                             # final evaluation, checkpoint, summary.json
 
-Between two steps :meth:`TrainingRun.steps` saves when the cadence says so: every
-``checkpoint.every_steps`` steps, every ``checkpoint.every_seconds`` of wall clock, and at once
-after SIGTERM or SIGUSR1 (SLURM's ``--signal``, the ISC, Kubernetes), after which it raises
-:class:`common.errors.Preempted`, which the entry point turns into exit code 75. Every rank must
-take the same decision at the same step, or a collective would hang: the step cadence is the
-same everywhere by construction; the wall clock and signals are local, so every
-``checkpoint.sync_every_steps`` steps the ranks agree with one tiny all-reduce (MAX) of a host
-tensor over gloo. On a GPU it waits for the other ranks' processes, never for the GPU's queue of
-work (an nccl all-reduce read back on the host would drain it); a single process checks every
-step at no cost. Nothing here reads a value back from the GPU during a step.
-
-A launcher running in this process may have its own handler for such a signal: submitit (the
-Hydra SLURM launcher) requeues the job on SIGUSR2 and raises ``SystemExit`` wherever the program
-happens to be, for instance inside ``torch.save``, which turned it into a failed save and a failed
-job. Such a handler is displaced too, and handed the signal once the checkpoint is written
-(:meth:`StopSignals.hand_over`): the job then requeues from a complete checkpoint.
-
-A checkpoint holds everything a bit-exact continuation needs: the tracked objects, the sampler's
-position inside the epoch, every rank's RNG states and partial metric sums, and the progress
-counters; its manifest holds the run's config. Restarting a finished run only rewrites its
-summary; restarting it with more epochs or steps goes on training.
-
-With ``trainer.compile=true`` a :class:`~common.compile_cache.CompileCache` points Inductor at
-a local cache folder, attaches that folder to every checkpoint and unpacks it from the checkpoint
-a run resumes from, so that a resumed segment does not compile again.
-
-Two more things every recipe gets here. ``init_from=<run | checkpoint | export>`` starts a new
-run from another run's weights (``common/init_from.py``), with a fresh optimizer, schedule and
-sampler; a run that resumes its own checkpoint ignores it. ``trainer.early_stopping_patience``
-ends training after that many evaluations in a row without a better ``checkpoint.best_metric``;
-the count is part of the checkpointed :class:`Progress`, so a resumed run keeps it.
-
-A run that is a trial of a hyperparameter search (``python -m tools.search`` sets
-``common.search_trial.TRIAL_VARIABLE``) reports each evaluation at an epoch's end to the study and
-ends like an early stop when the study's pruner says so: evaluated, checkpointed, and
-``summary.json`` saying ``pruned`` and at which step (see :meth:`TrainingRun._report_to_search`).
+What a resume restores and when it is bit-identical, signals and exit codes, divergence, early
+stopping and ``init_from``: README "Outputs, resume and pre-emption" and "After training".
 """
 
 from __future__ import annotations
@@ -95,7 +58,7 @@ from common.telemetry import FlopCount, StepTelemetry, clip_grad_norm
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # Taken over only when some Python code already handles it (submitit's requeue signal by default).
-LAUNCHER_SIGNALS = (signal.SIGUSR2,)
+_LAUNCHER_SIGNALS = (signal.SIGUSR2,)
 
 
 @dataclass
@@ -124,7 +87,7 @@ class Progress:
         return ", ".join([f"step {self.step}", f"epoch {self.epoch}", *(f"{k} {v}" for k, v in self.extra.items())])
 
 
-PROGRESS_FIELDS = {progress_field.name for progress_field in fields(Progress)}
+_PROGRESS_FIELDS = {progress_field.name for progress_field in fields(Progress)}
 
 
 # ---- when to save and when to stop ------------------------------------------------------------
@@ -132,13 +95,15 @@ PROGRESS_FIELDS = {progress_field.name for progress_field in fields(Progress)}
 
 class StopSignals:
     """Records the first SIGTERM/SIGUSR1 (or a launcher's signal) instead of dying, so the step
-    can finish and be checkpointed."""
+    can finish and be checkpointed. A launcher's own handler is displaced too: submitit requeues on
+    SIGUSR2 by raising ``SystemExit`` wherever the program is (inside ``torch.save``, a failed save
+    and a failed job); it is handed the signal once the checkpoint is written (:meth:`hand_over`)."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._received: int | None = None
         self._previous = {}
-        claimed = [signum for signum in LAUNCHER_SIGNALS if callable(signal.getsignal(signum))]
+        claimed = [signum for signum in _LAUNCHER_SIGNALS if callable(signal.getsignal(signum))]
         for signum in (*STOP_SIGNALS, *claimed):
             self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -163,7 +128,7 @@ class StopSignals:
             signal.signal(signum, handler)
 
 
-def host_group() -> dist.ProcessGroup | None:
+def _host_group() -> dist.ProcessGroup | None:
     """A group that all-reduces host tensors: the default one when it has gloo (a CPU run, or
     ``cpu:gloo,cuda:nccl``), else a gloo group made for it. Collective: every rank calls it."""
     if "gloo" in dist.get_backend():
@@ -180,7 +145,11 @@ class Decision:
 
 
 class CheckpointCadence:
-    """Decides after each optimizer step whether to save and whether to stop, the same on every rank."""
+    """Decides after each optimizer step whether to save and whether to stop, the same on every rank,
+    or a collective would hang. The step cadence is the same everywhere by construction; the wall
+    clock and signals are local, so every ``checkpoint.sync_every_steps`` steps the ranks agree with
+    one tiny MAX all-reduce of a host tensor over gloo: it waits for the other ranks' processes,
+    never for the GPU's queue (an nccl all-reduce read back on the host would drain it)."""
 
     def __init__(self, every_steps: int, every_seconds: float, sync_every_steps: int,
                  stop_signals: StopSignals) -> None:
@@ -188,7 +157,7 @@ class CheckpointCadence:
         self.every_seconds = every_seconds
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.sync_every_steps = max(1, sync_every_steps) if self.distributed else 1
-        self.group = host_group() if self.distributed else None
+        self.group = _host_group() if self.distributed else None
         self.stop_signals = stop_signals
         self.last_save = time.monotonic()
 
@@ -230,7 +199,7 @@ class CheckpointCadence:
 # ---- the run ------------------------------------------------------------------------------------
 
 
-def merged_sums(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _merged_sums(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Several ranks' :meth:`~common.pytorch.metrics.SumMetrics.state_dict` added into one."""
     merged: dict[str, torch.Tensor] = {}
     for sums in per_rank:
@@ -251,12 +220,15 @@ class TrainingRun:
     for good (``_force``). A recipe that starts a fresh optimizer mid-run (dinov2's stage switch)
     hands it over with :meth:`track_optimizer`. ``config`` (the run's config as plain data) is
     written into every checkpoint's manifest; ``model_cfg`` (its ``model`` node) tells
-    ``init_from`` how this recipe names its tensors; ``init_from``, ``init_skip_head`` and
-    ``early_stopping_patience``: see the module. ``search_trial``: the search trial this run is, if
-    any. ``log_every_steps``, ``grad_clip_norm``, ``precision`` and ``deterministic`` are the
-    ``trainer`` node's (:meth:`clip_grad_norm`, the telemetry of :meth:`log_train`, the provenance
-    check of :meth:`resume`); ``profile`` the ``profile`` node. ``compile_cache`` (with
-    ``trainer.compile``) is saved with every checkpoint and restored on resume.
+    ``init_from`` how this recipe names its tensors; ``init_from`` and ``init_skip_head``
+    start a new run from another run's weights (``common/init_from.py``; a run that resumes its own
+    checkpoint ignores them); ``early_stopping_patience`` ends training after that many evaluations
+    without a better ``checkpoint.best_metric`` (the count is in :class:`Progress`). ``search_trial``:
+    the search trial this run is, if any: it reports each epoch's evaluation and ends like an early
+    stop when the study's pruner says so. ``log_every_steps``, ``grad_clip_norm``, ``precision``
+    and ``deterministic`` are the ``trainer`` node's (:meth:`clip_grad_norm`, the telemetry of
+    :meth:`log_train`, the provenance check of :meth:`resume`); ``profile`` the ``profile`` node.
+    ``compile_cache`` (with ``trainer.compile``) is saved with every checkpoint and restored on resume.
     """
 
     def __init__(
@@ -479,9 +451,9 @@ class TrainingRun:
         if same_world:
             self.train_sums.load_state_dict(saved_sums[rank])
         else:
-            self.train_sums.load_state_dict(merged_sums(saved_sums) if rank == 0 else {})
+            self.train_sums.load_state_dict(_merged_sums(saved_sums) if rank == 0 else {})
         set_rng_state(rngs[rank] if same_world else rngs[0])
-        saved = {name: value for name, value in state["progress"].items() if name in PROGRESS_FIELDS}
+        saved = {name: value for name, value in state["progress"].items() if name in _PROGRESS_FIELDS}
         self.progress = Progress(**saved)  # (checkpoints of earlier versions hold a counter no longer kept)
         self.progress.resumes += 1
         heartbeat.at_step(self.progress.step)
@@ -787,7 +759,7 @@ class TrainingRun:
 
                 model_shards, optimizer_shards = get_state_dict(self.model, self.optimizer)
                 sharded_state = {"model": model_shards, "optimizer": optimizer_shards}
-            compiled = self.compile_cache.attachment() if self.compile_cache is not None and self.dist_info.is_main \
+            compiled = self.compile_cache.attachment() if self.compile_cache is not None and self.dist_info.is_main\
                 else None
             self.checkpoints.save(self.progress.step, self._capture(), metrics, sharded_state=sharded_state,
                                   milestone=milestone, config=self.config, provenance=self.provenance,

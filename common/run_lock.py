@@ -1,31 +1,12 @@
 """One run directory, one run: a lock file that a second launch on the same run respects.
 
-Two processes training into the same run directory (a job submitted twice, two sweeps with the
-same ``name``, a requeued job whose old processes linger) would resume from each other's
-checkpoints, interleave ``metrics.jsonl`` and ``summary.json``, and fail on each other's saves.
-So rank 0 of a job takes ``.run.lock`` in the run directory and in ``checkpoint.dir`` (when that
-is elsewhere) before anything reads a checkpoint; the other ranks of the job share it. A second
-launch finds the lock, names its holder in one line and exits 2, having touched nothing.
-
-Why a file created with ``O_EXCL`` and a heartbeat, not ``flock``: run directories live on
-network filesystems (NFS, Lustre) where ``flock`` is unreliable or local to one node, while an
-exclusive create and a rename are atomic there too. The holder rewrites nothing; a thread
-touches the file's modification time every :data:`HEARTBEAT_S` seconds.
-
-A holder that is gone is taken over, with a line saying so:
-
-* on the same host (same host name and boot), when its process no longer exists (or its pid now
-  belongs to a process started later);
-* on another host, when its heartbeat is older than :data:`STALE_AFTER_S` seconds (so the
-  hosts' clocks must agree to within a few minutes, as NTP keeps them);
-* at once, when it belongs to the same SLURM job (a requeued job has the same job id; an array
-  task is ``<array job id>_<task id>``), or when both run on the Strong Compute ISC
-  (``CHECKPOINT_ARTIFACT_PATH`` set): an experiment's artifacts are its own and its cycles never
-  overlap, so the lock is an earlier cycle's, restored with the artifact (possibly at another path).
-
-A holder that finds its lock taken over (a requeued job's lingering processes) exits at once
-with code 2, writing nothing more. Taking over happens under a short-lived ``.run.lock.break``
-file, so two launches that both find a stale lock cannot both take it.
+Rank 0 takes ``.run.lock`` in the run directory (and in ``checkpoint.dir``) before anything reads a
+checkpoint; a second launch names the holder in one line and exits 2, having touched nothing. A file
+created with ``O_EXCL`` and kept alive by touching it every :data:`HEARTBEAT_S` seconds, not
+``flock``, which is unreliable or node-local on NFS and Lustre. A holder that is gone is taken over
+(:func:`stale_reason` says when) under a short-lived ``.run.lock.break`` file, so two
+launches cannot both take it; a holder whose lock was taken over exits 2 at once. README "One run
+directory, one run".
 """
 
 from __future__ import annotations
@@ -48,7 +29,7 @@ from common.errors import EXIT_USER_ERROR
 LOCK_FILE = ".run.lock"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # a lock on another host whose heartbeat is this old is taken over
-BREAKER_STALE_S = 60.0  # a .run.lock.break this old was left by a launch that died while taking over
+_BREAKER_STALE_S = 60.0  # a .run.lock.break this old was left by a launch that died while taking over
 
 
 def _boot_id() -> str:
@@ -138,7 +119,10 @@ def _write_exclusive(path: Path, holder: Holder) -> bool:
 
 
 def stale_reason(holder: Holder, me: Holder, heartbeat_age: float) -> str | None:
-    """Why ``holder``'s lock may be taken over by ``me`` (None: it is held). See the module."""
+    """Why ``holder``'s lock may be taken over by ``me`` (None: it is held): the same SLURM job (a
+    requeue; an array task is ``<array job>_<task>``) or ISC experiment (its cycles never overlap);
+    on this host, a process that is gone; on another host, a heartbeat older than
+    :data:`STALE_AFTER_S` (the hosts' clocks must agree to within minutes, as NTP keeps them)."""
     if me.slurm_job and holder.slurm_job == me.slurm_job:
         return f"it is this SLURM job's ({me.slurm_job}), from before it was requeued"
     if me.isc_artifacts and holder.isc_artifacts:
@@ -202,7 +186,7 @@ class RunLock:
         """Replace the lock naming ``stale`` by ours, under the breaker file; False if it changed meanwhile."""
         breaker = self.path.with_name(LOCK_FILE + ".break")
         with contextlib.suppress(FileNotFoundError):
-            if time.time() - breaker.stat().st_mtime > BREAKER_STALE_S:
+            if time.time() - breaker.stat().st_mtime > _BREAKER_STALE_S:
                 breaker.unlink()
         if not _write_exclusive(breaker, self.holder):
             time.sleep(0.1)

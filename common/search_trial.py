@@ -2,7 +2,7 @@
 stops when the study's pruner says so.
 
 ``python -m tools.search`` starts every trial as an ordinary run of the recipe, with
-:data:`TRIAL_VARIABLE` naming the study's storage, the trial and the objective. The run contract
+:data:`_TRIAL_VARIABLE` naming the study's storage, the trial and the objective. The run contract
 (``common/run.py``) asks :meth:`SearchTrial.report` after each evaluation at an epoch's end, so
 every recipe can be pruned without code of its own; without the variable nothing changes.
 
@@ -26,7 +26,7 @@ from typing import Any
 from common.errors import UserError
 from common.pytorch import distributed
 
-TRIAL_VARIABLE = "RECIPES_SEARCH_TRIAL"
+_TRIAL_VARIABLE = "RECIPES_SEARCH_TRIAL"
 # Optuna's pruners by the names a search space uses; "none" never prunes.
 PRUNERS = {
     "median": "MedianPruner",
@@ -82,18 +82,18 @@ class SearchTrial:
     def to_environment(self) -> dict[str, str]:
         """The variable a search worker sets for its trial's run."""
         fields = {name: value for name, value in asdict(self).items() if not name.startswith("_")}
-        return {TRIAL_VARIABLE: json.dumps(fields)}
+        return {_TRIAL_VARIABLE: json.dumps(fields)}
 
     @classmethod
     def from_environment(cls) -> SearchTrial | None:
         """The trial this process runs, or None when no search started it."""
-        text = os.environ.get(TRIAL_VARIABLE)
+        text = os.environ.get(_TRIAL_VARIABLE)
         if not text:
             return None
         try:
             return cls(**json.loads(text))
         except (ValueError, TypeError) as error:
-            raise UserError(f"{TRIAL_VARIABLE} is not what tools.search writes: {error}") from error
+            raise UserError(f"{_TRIAL_VARIABLE} is not what tools.search writes: {error}") from error
 
     def report(self, metrics: dict[str, float], epoch: int, is_main: bool) -> bool:
         """Report the objective of the evaluation ``metrics`` at the end of epoch ``epoch``; True

@@ -1,28 +1,10 @@
-"""What every training log reports beside the recipe's own metrics, measured by the run contract.
+"""What every training log reports beside the recipe's own metrics, measured by the run contract:
+``train/step_s``, ``train/data_wait_frac``, ``train/grad_norm``, ``train/max_mem_gib``,
+``train/mfu`` and the slowest rank (README "What a run records" says what each means).
 
-``common/run.py`` adds these to each :meth:`~common.run.TrainingRun.log_train`, so every recipe
-logs them (console line, TensorBoard or W&B, ``metrics.jsonl``) without code in its loop:
-
-* ``train/step_s``: wall time per optimizer step since the last log, checkpoint saves and
-  evaluations left out (``train/images_per_s`` keeps them: it is the run's throughput);
-* ``train/data_wait_frac``: the share of that time the loop waited for its next micro-batch
-  (measured where :meth:`~common.run.TrainingRun.steps` pulls micro-batches from the loader);
-* ``train/grad_norm``: the total gradient norm of the logging step, before clipping
-  (:func:`clip_grad_norm`; FSDP2's sharded gradients give the whole model's norm);
-* ``train/max_mem_gib``: the peak device memory allocated since the last log, the largest of the
-  ranks' (CUDA only);
-* ``train/mfu``: model FLOPs utilisation, the model's FLOPs per sample (counted once, on a whole
-  optimizer step, with ``torch.utils.flop_counter``) times the samples trained per second, over
-  the device's dense peak for the run's precision (:data:`PEAK_TFLOPS`); left out where the peak
-  is unknown (a CPU, a GPU not in the table);
-* ``train/step_s_max_rank`` and ``train/step_s_slowest_rank`` (several ranks): the slowest rank's
-  time per step up to the end of its logging step, and which rank it is. The log itself
-  synchronises the ranks (and so hides who made the others wait): it is left out here.
-
-Everything is measured with the host's clock (``time.perf_counter``) and added up between logs;
-values are read from the device and gathered across ranks only in :meth:`StepTelemetry.report`,
-on logging steps, where the loop already waits for the device. Other steps make no host sync and
-no collective call (``benchmarks/gpu_check.py`` traces the syncs on CUDA).
+Everything is timed with the host's clock and added up between logs; values are read from the
+device and gathered across ranks only in :meth:`StepTelemetry.report`, on logging steps, where the
+loop already waits for the device. Other steps make no host sync and no collective call.
 """
 
 from __future__ import annotations

@@ -91,15 +91,15 @@ def open_run(source: str | Path, which: str = LATEST, overrides: Sequence[str] =
     elif (folder.parent / CONFIG_FILE).is_file():
         run_dir, saved = folder.parent, OmegaConf.load(folder.parent / CONFIG_FILE)
     else:
-        run_dir, saved = folder, saved_config(folder)
-    cfg = run_config(saved, run_dir, folder, overrides)
+        run_dir, saved = folder, _saved_config(folder)
+    cfg = _run_config(saved, run_dir, folder, overrides)
     checkpoints = Path(cfg.checkpoint.dir)
     chosen = named or which
-    checkpoint, manifest = choose_checkpoint(checkpoints, chosen, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
+    checkpoint, manifest = _choose_checkpoint(checkpoints, chosen, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode)
     return TrainedRun(cfg=typed_config(cfg), checkpoint=checkpoint, manifest=manifest, which=chosen)
 
 
-def saved_config(folder: Path) -> dict[str, Any]:
+def _saved_config(folder: Path) -> dict[str, Any]:
     """The config the newest checkpoint of ``folder`` that holds one was saved with."""
     for found in reversed(committed_checkpoints(folder)):
         if isinstance(found.manifest.get("config"), dict):
@@ -108,7 +108,7 @@ def saved_config(folder: Path) -> dict[str, Any]:
                     f"the run directory instead, with checkpoint.dir={folder} among the overrides")
 
 
-def run_config(saved: Any, run_dir: Path, checkpoint_dir: Path | None, overrides: Sequence[str]) -> DictConfig:
+def _run_config(saved: Any, run_dir: Path, checkpoint_dir: Path | None, overrides: Sequence[str]) -> DictConfig:
     """``saved`` checked against its recipe's schema, with ``run_dir`` (and ``checkpoint.dir``
     when given) set to where the run is now, then ``overrides`` (``key=value``) applied."""
     recipe = saved.get("recipe") if hasattr(saved, "get") else None
@@ -128,7 +128,7 @@ def run_config(saved: Any, run_dir: Path, checkpoint_dir: Path | None, overrides
     return cfg
 
 
-def choose_checkpoint(folder: Path, which: str, best_metric: str, best_mode: str) -> tuple[Path, dict[str, Any]]:
+def _choose_checkpoint(folder: Path, which: str, best_metric: str, best_mode: str) -> tuple[Path, dict[str, Any]]:
     """The checkpoint directory ``which`` names in ``folder`` and its verified manifest."""
     if not checkpoint_dirs(folder):
         raise UserError(f"no checkpoints in {folder}: where they lie elsewhere (the ISC's CHECKPOINT_ARTIFACT_PATH), "
@@ -162,7 +162,7 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     return torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
 
 
-def consolidated_shards(sharded: Path, key: str = "model") -> dict[str, torch.Tensor]:
+def _consolidated_shards(sharded: Path, key: str = "model") -> dict[str, torch.Tensor]:
     """The entry ``key`` of a ``torch.distributed.checkpoint`` folder as whole tensors on the CPU,
     whatever number of ranks wrote it; every process reads it by itself (no collective)."""
     import torch.distributed.checkpoint as dcp
@@ -188,7 +188,7 @@ def checkpoint_weights(checkpoint: Path, state: dict[str, Any] | None = None) ->
     if ema is not None:
         return dict(ema), "ema"
     if (checkpoint / SHARDED_DIR).is_dir():
-        return consolidated_shards(checkpoint / SHARDED_DIR), "model"
+        return _consolidated_shards(checkpoint / SHARDED_DIR), "model"
     return dict(state["model"]), "model"
 
 

@@ -26,13 +26,13 @@ import torch.nn.functional as F
 
 from common.errors import UserError
 
-Magnitudes = Callable[[int, int, int], torch.Tensor | None]  # (bins, height, width) -> magnitude of each bin
-ImageOps = list[tuple[str, float]]  # one image's ops and their magnitudes, in the order they apply
+_Magnitudes = Callable[[int, int, int], torch.Tensor | None]  # (bins, height, width) -> magnitude of each bin
+_ImageOps = list[tuple[str, float]]  # one image's ops and their magnitudes, in the order they apply
 
 # torchvision's augmentation spaces (torchvision/transforms/v2/_auto_augment.py): each op's
 # magnitudes and whether a magnitude is negated with probability 1/2. The order is torchvision's,
 # which the draws depend on.
-TRIVIAL_AUGMENT_WIDE: dict[str, tuple[Magnitudes, bool]] = {
+_TRIVIAL_AUGMENT_WIDE: dict[str, tuple[_Magnitudes, bool]] = {
     "Identity": (lambda bins, height, width: None, False),
     "ShearX": (lambda bins, height, width: torch.linspace(0.0, 0.99, bins), True),
     "ShearY": (lambda bins, height, width: torch.linspace(0.0, 0.99, bins), True),
@@ -48,7 +48,7 @@ TRIVIAL_AUGMENT_WIDE: dict[str, tuple[Magnitudes, bool]] = {
     "AutoContrast": (lambda bins, height, width: None, False),
     "Equalize": (lambda bins, height, width: None, False),
 }
-RAND_AUGMENT: dict[str, tuple[Magnitudes, bool]] = {
+_RAND_AUGMENT: dict[str, tuple[_Magnitudes, bool]] = {
     "Identity": (lambda bins, height, width: None, False),
     "ShearX": (lambda bins, height, width: torch.linspace(0.0, 0.3, bins), True),
     "ShearY": (lambda bins, height, width: torch.linspace(0.0, 0.3, bins), True),
@@ -64,16 +64,16 @@ RAND_AUGMENT: dict[str, tuple[Magnitudes, bool]] = {
     "AutoContrast": (lambda bins, height, width: None, False),
     "Equalize": (lambda bins, height, width: None, False),
 }
-GEOMETRIC = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")  # one grid_sample for all of them
+_GEOMETRIC = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")  # one grid_sample for all of them
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")  # grid_sample's modes
 # Columns of the numbers sent to the device, a row per image in the order of the op groups: the
 # sampling grid's matrix (6), the blend ratio and its complement, the posterize step, the solarize
 # threshold, the image's index in the batch, and in row i the row of the batch's image i.
 THETA, RATIO, COMPLEMENT, STEP, THRESHOLD, INDEX, ROW_OF = slice(0, 6), 6, 7, 8, 9, 10, 11
-GREY = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale weights
+_GREY = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale weights
 
 
-def inverse_affine(name: str, magnitude: float, height: int, width: int) -> list[float]:
+def _inverse_affine(name: str, magnitude: float, height: int, width: int) -> list[float]:
     """The 2x3 matrix from output to input pixel coordinates (centred on the image) of a
     geometric op: the arguments torchvision's ``affine`` and ``rotate`` pass to its
     ``_get_inverse_affine_matrix``, and that function's arithmetic, step by step (nearest
@@ -105,7 +105,7 @@ class BatchAutoAugment:
     """TrivialAugmentWide (one op per image, its magnitude drawn) or RandAugment (``num_ops`` ops,
     a fixed magnitude) of uint8 ``[B, 3, H, W]`` batches; see the module's docstring."""
 
-    def __init__(self, space: dict[str, tuple[Magnitudes, bool]], num_ops: int, magnitude: int | None,
+    def __init__(self, space: dict[str, tuple[_Magnitudes, bool]], num_ops: int, magnitude: int | None,
                  num_bins: int = 31, interpolation: str = "nearest") -> None:
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, not {interpolation!r}")
@@ -120,22 +120,22 @@ class BatchAutoAugment:
 
     @classmethod
     def trivial_augment_wide(cls, num_bins: int = 31, interpolation: str = "nearest") -> BatchAutoAugment:
-        return cls(TRIVIAL_AUGMENT_WIDE, 1, None, num_bins, interpolation)
+        return cls(_TRIVIAL_AUGMENT_WIDE, 1, None, num_bins, interpolation)
 
     @classmethod
     def rand_augment(cls, num_ops: int = 2, magnitude: int = 9, num_bins: int = 31,
                      interpolation: str = "nearest") -> BatchAutoAugment:
-        return cls(RAND_AUGMENT, num_ops, magnitude, num_bins, interpolation)
+        return cls(_RAND_AUGMENT, num_ops, magnitude, num_bins, interpolation)
 
     def __repr__(self) -> str:
-        policy = "TrivialAugmentWide(" if self.magnitude is None else \
+        policy = "TrivialAugmentWide(" if self.magnitude is None else\
             f"RandAugment(num_ops={self.num_ops}, magnitude={self.magnitude}, "
         return (f"{type(self).__name__}: {policy}num_magnitude_bins={self.num_bins}, "
                 f"interpolation={self.interpolation})")
 
     # ---- draws, on the CPU ------------------------------------------------------------------------
 
-    def draw(self, height: int, width: int) -> ImageOps:
+    def draw(self, height: int, width: int) -> _ImageOps:
         """One image's ops and magnitudes, from torch's global generator with torchvision's calls."""
         ops = []
         for _ in range(self.num_ops):
@@ -157,7 +157,7 @@ class BatchAutoAugment:
 
     # ---- the batch, on its device --------------------------------------------------------------------
 
-    def apply(self, images: torch.Tensor, draws: Sequence[ImageOps]) -> torch.Tensor:
+    def apply(self, images: torch.Tensor, draws: Sequence[_ImageOps]) -> torch.Tensor:
         """uint8 ``[B, 3, H, W]`` with each image's drawn ops applied in order."""
         if len(draws) != len(images):
             raise ValueError(f"{len(draws)} draws for {len(images)} images")
@@ -173,7 +173,7 @@ class BatchAutoAugment:
         height, width = pixels.shape[-2:]
         groups: dict[str, list[int]] = {}
         for index, (name, _) in enumerate(ops):
-            groups.setdefault("affine" if name in GEOMETRIC else name, []).append(index)
+            groups.setdefault("affine" if name in _GEOMETRIC else name, []).append(index)
         if set(groups) == {"Identity"}:
             return pixels
         order = [index for members in groups.values() for index in members]
@@ -198,7 +198,7 @@ class BatchAutoAugment:
     def op_numbers(self, name: str, magnitude: float, height: int, width: int) -> list[float]:
         """The numbers an op needs on the device, computed here in double precision as torchvision
         computes them in Python (one row of the copy; see the column names above)."""
-        theta = inverse_affine(name, magnitude, height, width) if name in GEOMETRIC else [0.0] * 6
+        theta = _inverse_affine(name, magnitude, height, width) if name in _GEOMETRIC else [0.0] * 6
         ratio = 1.0 + magnitude  # Brightness, Color, Contrast, Sharpness
         step = 2.0 ** (8 - int(magnitude)) if name == "Posterize" else 1.0
         return [*theta, ratio, 1.0 - ratio, step, 255.0 * magnitude]
@@ -213,12 +213,12 @@ class BatchAutoAugment:
         if group == "Brightness":
             return pixels.mul(ratio).clamp_(0, 255).trunc_()
         if group == "Color":
-            return blend(pixels, grey(pixels).floor_(), ratio, complement)
+            return _blend(pixels, grey(pixels).floor_(), ratio, complement)
         if group == "Contrast":
             mean = grey(pixels).floor_().mean(dim=(-3, -2, -1), keepdim=True)
-            return blend(pixels, mean, ratio, complement)
+            return _blend(pixels, mean, ratio, complement)
         if group == "Sharpness":
-            return sharpen(pixels, complement)
+            return _sharpen(pixels, complement)
         if group == "Posterize":
             step = per_image[:, STEP : STEP + 1]
             return pixels.div(step).floor_().mul_(step)
@@ -265,15 +265,15 @@ def batch_policy(policy: Any) -> BatchAutoAugment:
 def grey(pixels: torch.Tensor) -> torch.Tensor:
     """torchvision's ``rgb_to_grayscale`` in float: ``[B, 1, H, W]``."""
     red, green, blue = pixels.unbind(dim=-3)
-    return red.mul(GREY[0]).add_(green, alpha=GREY[1]).add_(blue, alpha=GREY[2]).unsqueeze(dim=-3)
+    return red.mul(_GREY[0]).add_(green, alpha=_GREY[1]).add_(blue, alpha=_GREY[2]).unsqueeze(dim=-3)
 
 
-def blend(pixels: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
+def _blend(pixels: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
     """torchvision's ``_blend`` of uint8 images: ``pixels * ratio + other * (1 - ratio)``, truncated."""
     return torch.addcmul(pixels.mul(ratio), other, complement).clamp_(0, 255).trunc_()  # fused as add(alpha=)
 
 
-def sharpen(pixels: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
+def _sharpen(pixels: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
     """torchvision's ``adjust_sharpness`` of uint8 images: a blend with the image smoothed by the
     3x3 kernel ``[[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13`` (rounded), the border pixels kept. The
     weighted sums of whole numbers are exact here, and a sum over 13 is never half-way between two

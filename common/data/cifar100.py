@@ -19,7 +19,7 @@ from common.errors import UserError
 
 FOLDER = "cifar-100-python"
 SPLITS = ("train", "test")
-IMAGE_SHAPE = (3, 32, 32)
+_IMAGE_SHAPE = (3, 32, 32)
 NUM_CLASSES = 100
 _ALLOWED_GLOBALS = {
     ("numpy.core.multiarray", "_reconstruct"),
@@ -50,7 +50,7 @@ class Cifar100Split:
     coarse_labels: torch.Tensor  # [N] int64, superclasses 0..19
 
 
-def find_folder(root: str | Path) -> Path:
+def _find_folder(root: str | Path) -> Path:
     """``root`` itself or ``root/cifar-100-python``, whichever holds the pickles."""
     root = Path(root)
     for folder in (root / FOLDER, root):
@@ -66,7 +66,7 @@ def load_split(root: str | Path, split: str) -> Cifar100Split:
     """One split's images (uint8) and labels, checked: any problem is one line naming the file."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
-    path = find_folder(root) / split
+    path = _find_folder(root) / split
     try:
         with open(path, "rb") as handle:
             entry = read_pickle(handle)
@@ -75,20 +75,20 @@ def load_split(root: str | Path, split: str) -> Cifar100Split:
         coarse = np.asarray(entry[b"coarse_labels"], dtype=np.int64)
     except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError) as error:
         raise UserError(f"{path} is not a valid CIFAR-100 pickle ({error})") from error
-    if data.ndim != 2 or data.shape[1] != int(np.prod(IMAGE_SHAPE)) or len(data) != len(fine):
+    if data.ndim != 2 or data.shape[1] != int(np.prod(_IMAGE_SHAPE)) or len(data) != len(fine):
         raise UserError(f"{path}: data has shape {data.shape}, expected [N, 3072] with {len(fine)} labels")
     if not len(fine):
         raise UserError(f"the CIFAR-100 {split} split under {root} holds no images")
     if fine.min() < 0 or fine.max() >= NUM_CLASSES:
         raise UserError(f"{path}: fine labels outside 0..{NUM_CLASSES - 1}")
     return Cifar100Split(
-        images=torch.from_numpy(data.reshape(-1, *IMAGE_SHAPE).copy()),
+        images=torch.from_numpy(data.reshape(-1, *_IMAGE_SHAPE).copy()),
         labels=torch.from_numpy(fine),
         coarse_labels=torch.from_numpy(coarse),
     )
 
 
 def class_names(root: str | Path) -> list[str]:
-    with open(find_folder(root) / "meta", "rb") as handle:
+    with open(_find_folder(root) / "meta", "rb") as handle:
         meta = read_pickle(handle)
     return [name.decode() for name in meta[b"fine_label_names"]]

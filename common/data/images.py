@@ -1,42 +1,13 @@
 """Image input pipelines that keep a GPU fed: JPEG files to normalised batches on the device.
 
-timm_imagenet and fungitastic train on random-resized crops of JPEG files. ``data.decode``
-chooses where the pixels are made; every random draw is made in the DataLoader worker either way:
-
-* ``cpu``: the worker reads the file's header, draws the crop box (and flip, colour-jitter
-  factors), decodes at the smallest size libjpeg offers (1/2, 1/4 or 1/8, by DCT scaling) that
-  keeps the box at least the output size, crops and resizes, flips, applies the per-sample
-  augmentation (RandAugment, TrivialAugment) on uint8 and hands over a uint8 batch;
-* ``gpu``: the worker only reads the file's bytes and makes the same draws; the main process
-  decodes the whole batch on the device (``torchvision.io.decode_jpeg``, nvjpeg on CUDA), crops
-  and resizes every image to its box with ``roi_align``, flips and applies the per-sample
-  augmentation there, to the whole batch at once (:mod:`common.data.auto_augment`; each sample's ops
-  drawn from a seed its worker drew). JPEGs that are not three-component (greyscale, CMYK) and files that are
-  not JPEGs are decoded by the worker, as on the CPU path, and cropped on the device; a JPEG the
-  device decoder refuses is decoded on the CPU, and one nothing decodes is a one-line error.
-
-nvjpeg decodes on a stream of its own that does not wait for the work already queued on the
-caller's stream, into memory that the caching allocator may just have taken back from that work
-(pytorch/vision#9606: gradients and activations overwritten). :meth:`DeviceTrainInput.decode_on_device`
-therefore decodes inside a side stream, whose memory pool holds only decoded images (each
-marked as used on the training stream, so that it is reused only after the training stream is
-done with it): no host sync, and the decode overlaps the training step. torchvision 0.29
-deprecates its decoders (pytorch/vision#9622); a torchvision without a device JPEG decoder makes
-``data.decode=gpu`` stop at start-up with one line naming it (use ``data.decode=cpu``), never a
-silent fall back to CPU decoding in the training process. TorchCodec's JPEG decoder is the
-successor torchvision names; moving to it must keep the stream rule above.
-
-Then :class:`DeviceTrainInput` does the float work once per batch on the device: colour
-jitter (each sample its own factors), normalisation, random erasing. Float conversion,
-normalisation and colour jitter per sample on the CPU were more than half the cost of the PIL
-pipeline this replaces; the rest is mostly JPEG decoding, which only ``gpu`` moves off the CPU.
-
-Draws use the global Python and torch generators, which :class:`common.data.loaders.PerSampleSeeded`
-seeds from (seed, epoch, index): a resumed run sees exactly the images of the uninterrupted
-one, whatever the number of workers. The crop box and flip are drawn as timm's
-``RandomResizedCropAndInterpolation`` and torchvision's ``RandomHorizontalFlip`` draw them,
-and the colour-jitter factors as torchvision's ``ColorJitter``: a fixed seed gives the crop, flip
-and jitter of timm's own transform, with pixels that differ only by resampling and rounding.
+``data.decode=cpu``: the DataLoader worker draws the crop box from the JPEG's header, decodes at the
+smallest DCT scale that keeps the box at least the output size, crops, resizes and augments on
+uint8. ``data.decode=gpu``: the worker only reads the bytes and makes the same draws; the main
+process decodes the batch with nvjpeg and crops it with ``roi_align`` (what it cannot decode there,
+the worker decodes). :class:`DeviceTrainInput` then does the float work once per batch on the
+device. Every draw is seeded by :class:`common.data.loaders.PerSampleSeeded` from (seed, epoch,
+index), as timm's and torchvision's transforms draw them: a resume sees the same images. Figures
+and limits: README "Feeding a GPU from JPEG files".
 """
 
 from __future__ import annotations
@@ -67,7 +38,7 @@ from common.data.image_batches import Normalize
 cv2.setNumThreads(0)  # DataLoader workers already run in parallel
 
 INTERPOLATIONS = {"bilinear": InterpolationMode.BILINEAR, "bicubic": InterpolationMode.BICUBIC}
-DCT_SCALES = (1, 2, 4, 8)  # the reductions libjpeg decodes directly
+_DCT_SCALES = (1, 2, 4, 8)  # the reductions libjpeg decodes directly
 _DECODE_FLAGS = {  # 3-channel output at 1/reduction of the size; EXIF rotation ignored, as PIL, timm and nvjpeg do
     reduction: flag | cv2.IMREAD_IGNORE_ORIENTATION
     for reduction, flag in ((1, cv2.IMREAD_COLOR), (2, cv2.IMREAD_REDUCED_COLOR_2), (4, cv2.IMREAD_REDUCED_COLOR_4),
@@ -122,7 +93,7 @@ def decode(data: np.ndarray, path: str, reduction: int = 1) -> np.ndarray:
 def dct_reduction(box: CropBox, size: int) -> int:
     """The largest DCT scale that keeps both sides of ``box`` at least ``size`` pixels."""
     reduction = 1
-    while reduction < DCT_SCALES[-1] and min(box.height, box.width) >= 2 * reduction * size:
+    while reduction < _DCT_SCALES[-1] and min(box.height, box.width) >= 2 * reduction * size:
         reduction *= 2
     return reduction
 
@@ -151,7 +122,7 @@ def random_resized_crop(width: int, height: int, scale: tuple[float, float],
     return CropBox((height - crop_height) // 2, (width - crop_width) // 2, crop_height, crop_width)
 
 
-def crop_resize(pixels: np.ndarray, box: CropBox, size: int, interpolation: str) -> torch.Tensor:
+def _crop_resize(pixels: np.ndarray, box: CropBox, size: int, interpolation: str) -> torch.Tensor:
     """uint8 ``[3, size, size]``: ``box`` of ``[H, W, 3]`` pixels, resized with antialiasing as
     PIL does. A whole-pixel box takes torch's uint8 kernels (about twice PIL's speed); a box with
     fractional edges (an image decoded at a reduced scale) takes PIL's, which resamples exactly
@@ -166,7 +137,7 @@ def crop_resize(pixels: np.ndarray, box: CropBox, size: int, interpolation: str)
     return torch.from_numpy(np.array(resized)).permute(2, 0, 1)
 
 
-def draw_colour_jitter(strength: float) -> torch.Tensor:
+def _draw_colour_jitter(strength: float) -> torch.Tensor:
     """``[brightness, contrast, saturation, order of the 4 adjustments]`` drawn as torchvision's
     ``ColorJitter(strength, strength, strength).get_params`` draws them (hue, index 3, is off)."""
     order = torch.randperm(4)
@@ -201,7 +172,7 @@ class TrainAugmentation:
         box = random_resized_crop(width, height, self.scale, self.ratio)
         interpolation = random.choice(tuple(INTERPOLATIONS)) if self.interpolation == "random" else self.interpolation
         flip = self.hflip > 0 and bool(torch.rand(1) < self.hflip)
-        jitter = draw_colour_jitter(self.colour_jitter) if self.colour_jitter > 0 else None
+        jitter = _draw_colour_jitter(self.colour_jitter) if self.colour_jitter > 0 else None
         # On the device the policy runs after the batch is decoded: its draws get a seed of their own.
         seed = random.getrandbits(63) if decode == Decode.gpu and self.per_sample is not None else 0
         return Draw(box, interpolation, flip, jitter, seed)
@@ -257,7 +228,7 @@ class TrainImages(Dataset):
 
     def _crop_here(self, data: np.ndarray, path: str, width: int, height: int, draw: Draw) -> torch.Tensor:
         pixels, box = self._decode_for(draw.box, data, path, width, height)
-        image = crop_resize(pixels, box, self.augmentation.size, draw.interpolation)
+        image = _crop_resize(pixels, box, self.augmentation.size, draw.interpolation)
         if draw.flip:
             image = image.flip(-1)
         policy = self.augmentation.per_sample
@@ -304,7 +275,7 @@ class ResizedImages(Dataset):
         whole = CropBox(0, 0, height, width)
         pixels = decode(data, path, dct_reduction(whole, self.size) if self.draft_decode else 1)
         box = CropBox(0, 0, *pixels.shape[:2])
-        return crop_resize(pixels, box, self.size, "bilinear"), self.labels[index]
+        return _crop_resize(pixels, box, self.size, "bilinear"), self.labels[index]
 
 
 def collate_train(batch: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
@@ -414,9 +385,13 @@ class DeviceTrainInput:
             return torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)
 
     def decode_on_device(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Decode on the device, safe on every torchvision (see the module's docstring): nvjpeg's
-        outputs come from the side stream's pool, which never holds memory that work queued on
-        the training stream still uses, and the training stream waits for the decode."""
+        """Decode on the device, safe on every torchvision. nvjpeg decodes on a stream of its own
+        that does not wait for work queued on the caller's stream, into memory the caching allocator
+        may just have taken back from that work (pytorch/vision#9606: gradients overwritten). So it
+        decodes inside a side stream that first waits for the training stream, whose pool holds only
+        decoded images, each marked as used on the training stream; no host sync. torchvision 0.29
+        deprecates these decoders (#9622): one without them makes ``data.decode=gpu`` a one-line
+        error at start-up; TorchCodec, their successor, must keep this stream rule."""
         with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders for TorchCodec's
             warnings.simplefilter("ignore", DeprecationWarning)
             if self.decode_stream is None:

@@ -1,25 +1,13 @@
 """A distributed sampler that can stop anywhere and resume exactly, on any number of ranks.
 
-Policy
-------
-* Each epoch has one global order: a permutation of ``range(num_samples)`` drawn from
-  ``(seed, epoch)`` (or the identity when ``shuffle=False``). It is the same on every rank.
-* Ranks take that order interleaved: rank ``r`` of ``W`` gets positions ``r, r+W, r+2W, ...``.
-  After every rank has taken ``k`` samples, exactly the first ``k*W`` positions are used, so
-  progress is one number, ``consumed``: how many positions of this epoch's order are done.
-* Resuming continues from position ``consumed`` with the *current* world size, so a job that
-  comes back on a different number of ranks splits the rest of the epoch among the new
-  ranks, with no sample skipped or repeated.
-* ``drop_last=True`` (training): every rank gets the same number of samples, so DDP ranks
-  stay in step; the last ``remaining % W`` positions of the epoch (fewer than ``W``
-  samples, a different set each epoch because of the shuffle) are not used this epoch.
-* ``drop_last=False`` (evaluation): every sample is used exactly once; the first
-  ``remaining % W`` ranks get one sample more. There is no padding with repeated samples,
-  so metrics summed over ranks are exact.
-
-With ``yield_epoch=True`` the sampler yields ``(epoch, index)`` pairs so that a dataset wrapped
-in :class:`common.data.loaders.PerSampleSeeded` can seed its augmentation from ``(seed, epoch, index)``:
-then augmentations do not depend on which worker or how many workers load a sample.
+Each epoch has one global order drawn from ``(seed, epoch)``, the same on every rank, and rank
+``r`` of ``W`` takes positions ``r, r+W, ...``: progress is one number, ``consumed``, so a job that
+comes back on another number of ranks splits the rest of the epoch among them, nothing skipped or
+repeated. ``drop_last=True`` (training) gives every rank as many samples (the last
+``remaining % W`` positions wait for the next epoch); ``drop_last=False`` (evaluation) uses every
+sample exactly once, with no padding, so metrics summed over ranks are exact. With
+``yield_epoch=True`` it yields ``(epoch, index)`` pairs for
+:class:`common.data.loaders.PerSampleSeeded`, so augmentations do not depend on the workers.
 """
 
 from __future__ import annotations

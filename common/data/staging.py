@@ -17,10 +17,10 @@ from pathlib import Path
 from common.pytorch import distributed
 from common.errors import UserError
 
-COMPLETE_MARKER = ".staging-complete"
+_COMPLETE_MARKER = ".staging-complete"
 
 
-def staged_path(source: Path, stage_root: Path) -> Path:
+def _staged_path(source: Path, stage_root: Path) -> Path:
     """Where ``source`` is staged: one folder per source path, so two datasets never collide."""
     tag = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:10]
     return stage_root / f"{source.name}-{tag}"
@@ -32,14 +32,14 @@ def stage_directory(source: str | Path, stage_root: str | Path, local_rank: int,
     source, stage_root = Path(source), Path(stage_root)
     if not source.is_dir():
         raise UserError(f"cannot stage {source}: it is not a directory")
-    target = staged_path(source, stage_root)
-    marker = target / COMPLETE_MARKER
+    target = _staged_path(source, stage_root)
+    marker = target / _COMPLETE_MARKER
     if local_rank == 0 and not marker.is_file():
         partial = target.with_name(target.name + ".partial")
         try:
             shutil.rmtree(partial, ignore_errors=True)
             shutil.copytree(source, partial, symlinks=False)
-            (partial / COMPLETE_MARKER).write_text(f"{source.resolve()}\n")
+            (partial / _COMPLETE_MARKER).write_text(f"{source.resolve()}\n")
             shutil.rmtree(target, ignore_errors=True)
             partial.rename(target)
         except OSError as error:

@@ -96,7 +96,7 @@ def wants_cuda(preference: str) -> bool:
     return preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
 
 
-def gpu_index(local_rank: int, launcher: str) -> int:
+def _gpu_index(local_rank: int, launcher: str) -> int:
     """This process's GPU on its node. More processes on a node than GPUs is a user error said in
     one line (two ranks on one GPU make NCCL fail with "Duplicate GPU detected")."""
     gpus = torch.cuda.device_count()
@@ -117,7 +117,7 @@ def resolve_device(preference: str, local_rank: int = 0, launcher: str = "single
         raise UserError("device=cuda was asked for but no CUDA GPU is visible; use device=cpu or device=auto")
     if not wants_cuda(preference):
         return torch.device("cpu")
-    index = gpu_index(local_rank, launcher)
+    index = _gpu_index(local_rank, launcher)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -134,7 +134,7 @@ NCCL_TRACE_PREFIX = "nccl_trace_rank_"
 """The file names NCCL's flight recorder dumps to in a run's hang folder (torch appends the rank)."""
 
 
-def enable_flight_recorder(hang_dir: Path) -> None:
+def _enable_flight_recorder(hang_dir: Path) -> None:
     """Before an NCCL group is made: keep each rank's recent collectives (NCCL's flight recorder)
     and, when one times out, dump them to ``hang_dir/nccl_trace_rank_<N>`` before NCCL aborts the
     process. ``python -m torch.distributed.flight_recorder.fr_trace <hang_dir> --prefix
@@ -152,7 +152,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = COLLECT
 
     A collective that waits longer than ``timeout_s`` fails (``trainer.collective_timeout_s``; see
     ``common/heartbeat.py``); with ``hang_dir`` an NCCL group records its collectives for that case
-    (:func:`enable_flight_recorder`). ``group_of_one`` makes a group for a single process too, so
+    (:func:`_enable_flight_recorder`). ``group_of_one`` makes a group for a single process too, so
     that code written for a group (FSDP2) runs on one GPU.
     """
     global _joined_a_group, _timeout
@@ -164,7 +164,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = COLLECT
         alone = world_size == 1 and "MASTER_PORT" not in os.environ
         backend = process_group_backend(device, cpu_collectives)
         if hang_dir is not None and "nccl" in backend:
-            enable_flight_recorder(hang_dir)
+            _enable_flight_recorder(hang_dir)
         dist.init_process_group(  # a group of one meets at a free local port, leaving the environment alone
             backend=backend,
             init_method=f"tcp://127.0.0.1:{free_port()}" if alone else None,

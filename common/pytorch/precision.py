@@ -6,15 +6,15 @@ import contextlib
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     if precision == "fp32":
         return contextlib.nullcontext()
-    if precision not in DTYPES:
+    if precision not in _DTYPES:
         raise ValueError(f"precision must be fp32, bf16 or fp16, not {precision!r}")
-    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+    return torch.autocast(device_type=device.type, dtype=_DTYPES[precision])
 
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:

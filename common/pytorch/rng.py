@@ -28,7 +28,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def sample_seed(*keys: int) -> int:
+def _sample_seed(*keys: int) -> int:
     """A 63-bit seed that depends only on ``keys`` (e.g. seed, epoch, index)."""
     digest = hashlib.blake2b(":".join(map(str, keys)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
@@ -38,7 +38,7 @@ def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
     """A generator for batch-level augmentation seeded from ``keys`` (e.g. seed, step, rank),
     so a resumed run draws exactly what the uninterrupted run drew at that step."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(sample_seed(*keys))
+    generator.manual_seed(_sample_seed(*keys))
     return generator
 
 
@@ -49,7 +49,7 @@ def seeded_global_rng(*keys: int) -> Iterator[None]:
     drop path, torchvision's RandAugment), so that a resumed run draws what the uninterrupted
     run drew. The CUDA generators are left alone: their state is in every checkpoint, and
     reseeding them would be a device call per block."""
-    seed = sample_seed(*keys)
+    seed = _sample_seed(*keys)
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         random.seed(seed)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from common.errors import UserError
 
 WEIGHTS_ROOT = Path("data/weights")
-WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")  # the first found is read
+_WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")  # the first found is read
 
 
 def missing(setting: str, value: str, recipe: str) -> UserError:
@@ -30,10 +30,10 @@ def weights_file(path: Path) -> Path:
     """``path`` itself if it is a file, else the weights file of the folder."""
     if path.is_file():
         return path
-    for name in WEIGHTS_FILES:
+    for name in _WEIGHTS_FILES:
         if (path / name).is_file():
             return path / name
-    raise UserError(f"{path} holds no weights file ({', '.join(WEIGHTS_FILES[:2])}, ...)")
+    raise UserError(f"{path} holds no weights file ({', '.join(_WEIGHTS_FILES[:2])}, ...)")
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
