@@ -39,14 +39,14 @@ from tools.tiny_data import write_cifar100_tarball, write_fashion_mnist
 BENCHMARK = "resume cost (process start to end of first step)"
 REPO = Path(__file__).resolve().parents[1]
 
-# Runs a recipe's main() with a probe at the end of every step: it prints the wall-clock time
+# Runs a recipe as ``python -m`` does, with a probe at the end of every step: it prints the wall-clock time
 # after the first step and ends the process after ``exit_after`` steps (without cleaning up).
 PROBE = """
 import os, sys, time
 import torch
 import common.run
 from common.run import CheckpointCadence
-import recipes.{recipe}.train as recipe
+import importlib.util, runpy
 
 exit_after, steps_seen = int(sys.argv[1]), 0
 
@@ -63,8 +63,8 @@ class FirstStepProbe(CheckpointCadence):
         return super().after_step(step, nonfinite)
 
 common.run.CheckpointCadence = FirstStepProbe
-sys.argv = [recipe.__file__, *sys.argv[2:]]
-recipe.main()
+sys.argv = [importlib.util.find_spec("recipes.{recipe}.train").origin, *sys.argv[2:]]
+runpy.run_module("recipes.{recipe}.train", run_name="__main__")
 """
 
 

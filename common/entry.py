@@ -276,43 +276,40 @@ def exit_after(main: Callable[[], Any]) -> NoReturn:
     exit_process(0)
 
 
-def recipe_main(schema: type[RunConfig]) -> Callable[[Callable[[Any], Any]], Callable[[], None]]:
-    """Decorate a recipe's ``main(cfg)`` with its schema; the result takes its arguments from
-    ``sys.argv``, composes ``conf/<recipe>.yaml`` and runs ``main`` with it, typed
-    (:func:`typed_config`), then ends the process (:func:`exit_after`)."""
+def recipe_main(schema: type[RunConfig], train: Callable[[Any, DistInfo], Any],
+                process_group: Callable[[Any], dict[str, Any]] | None = None) -> NoReturn:
+    """Run a recipe from the command line: compose ``conf/<recipe>.yaml`` with the overrides in
+    ``sys.argv`` against ``schema``, then ``train(cfg, dist_info)`` with the config typed
+    (:func:`typed_config`) inside a :func:`training_process` (with the options ``process_group(cfg)``
+    gives, where the recipe needs some); end the process (:func:`exit_after`)."""
+    import hydra
 
-    def decorate(task: Callable[[Any], Any]) -> Callable[[], None]:
-        import hydra
+    @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=schema.recipe)
+    def hydra_task(cfg: DictConfig) -> Any:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            cfg.run_dir = HydraConfig.get().runtime.output_dir
+        try:
+            check_resolves(cfg)
+            typed = typed_config(cfg)
+            with training_process(typed, **(process_group(typed) if process_group else {})) as dist_info:
+                return train(typed, dist_info)
+        except RunStopped as stop:
+            stop_run(stop)
+        except CONFIG_ERRORS as error:  # a bug in the recipe, not a bad override: keep its traceback
+            error.raised_by_recipe = True
+            raise
 
-        @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=schema.recipe)
-        def hydra_task(cfg: DictConfig) -> Any:
-            if HydraConfig.get().mode == RunMode.MULTIRUN:
-                cfg.run_dir = HydraConfig.get().runtime.output_dir
-            try:
-                check_resolves(cfg)
-                return task(typed_config(cfg))
-            except RunStopped as stop:
-                stop_run(stop)
-            except CONFIG_ERRORS as error:  # a bug in the recipe, not a bad override: keep its traceback
-                error.raised_by_recipe = True
+    register_schema(schema)
+    _print_job_config_resolved()
+    reported_here = os.environ.get("HYDRA_FULL_ERROR") != "1"  # a user who set it wants Hydra's trace
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+
+    def compose_and_run() -> None:
+        try:
+            hydra_task()
+        except CONFIG_ERRORS as error:
+            if not reported_here or getattr(error, "raised_by_recipe", False):
                 raise
+            fail(config_error_line(error))
 
-        def main() -> None:
-            register_schema(schema)
-            _print_job_config_resolved()
-            reported_here = os.environ.get("HYDRA_FULL_ERROR") != "1"  # a user who set it wants Hydra's trace
-            os.environ["HYDRA_FULL_ERROR"] = "1"
-
-            def compose_and_run() -> None:
-                try:
-                    hydra_task()
-                except CONFIG_ERRORS as error:
-                    if not reported_here or getattr(error, "raised_by_recipe", False):
-                        raise
-                    fail(config_error_line(error))
-
-            exit_after(compose_and_run)
-
-        return main
-
-    return decorate
+    exit_after(compose_and_run)

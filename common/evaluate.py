@@ -14,7 +14,7 @@ import argparse
 import contextlib
 import copy
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ from common.entry import distributed_process, exit_after, fail, user_message
 from common.errors import UserError
 from common.jsonfiles import write_json
 from common.pytorch.distributed import DistInfo, broadcast_buffers
+from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics
+from common.pytorch.precision import autocast
 from common.recipes import RecipeSpec, load_recipe
 from common.trained import LATEST, TrainedRun, load_model, open_run, read_state
 
@@ -40,6 +42,36 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
             yield
     finally:
         model.train(was_training)
+
+
+def model_outputs(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, Any]], device: torch.device,
+                  precision: str, channels_last: bool) -> Iterator[tuple[Any, Any]]:
+    """The loop of every recipe's evaluation: ``model``'s output for each ``(input, targets)`` of
+    ``batches``, in :func:`evaluating`'s block, channels-last where the run trains so, under the
+    run's autocast; the targets are passed through."""
+    with evaluating(model):
+        for x, targets in batches:
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with autocast(device, precision):
+                output = model(x)
+            yield output, targets
+
+
+def classification_scores(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                          device: torch.device, precision: str, channels_last: bool, prefix: str) -> dict[str, float]:
+    """``<prefix>/loss``, ``/top1`` and ``/top5`` over ``batches`` of (input, labels), summed over
+    ranks, each sample counted once (a rank with no batch still joins the reduction)."""
+    sums = SumMetrics(device)
+    sums.add(loss=0.0, top1=0, top5=0, count=0)
+    for logits, labels in model_outputs(model, batches, device, precision, channels_last):
+        add_classification(sums, logits, labels)
+    return classification_metrics(sums.reduce(), prefix)
+
+
+def metric_prefix(of_ema: bool, name: str = "eval") -> str:
+    """How an evaluation's metrics are named: ``eval/top1``, or ``eval_ema/top1`` for the EMA's."""
+    return f"{name}_ema" if of_ema else name
 
 
 def _evaluate_run(run: TrainedRun, spec: RecipeSpec, split: str, dist_info: DistInfo) -> dict[str, Any]:

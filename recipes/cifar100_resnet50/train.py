@@ -18,10 +18,10 @@ from timm.utils import ModelEmaV3
 from common.data import cifar100
 from common.data.image_batches import Normalize
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main, training_process
-from common.evaluate import evaluating
+from common.entry import recipe_main
+from common.evaluate import classification_scores, metric_prefix
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
-from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics, ratio
+from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, warmup_multistep, weight_decay_groups
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_generator
@@ -50,24 +50,12 @@ def evaluator(cfg: Cifar100ResNet50Config, dist_info: DistInfo, split: str) -> E
                                           drop_last=False)
 
     def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
-        sums = SumMetrics(dist_info.device)
-        with evaluating(model):
-            for batch in sampler.index_batches(cfg.trainer.eval_batch_size, images.device):
-                x = normalize(images[batch].float() / 255.0)
-                if cfg.trainer.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                with autocast(dist_info.device, cfg.trainer.precision):
-                    logits = model(x)
-                add_classification(sums, logits, labels[batch])
-        return classification_metrics(sums.reduce(), "eval_ema" if of_ema else "eval")
+        batches = ((normalize(images[batch].float() / 255.0), labels[batch])
+                   for batch in sampler.index_batches(cfg.trainer.eval_batch_size, images.device))
+        return classification_scores(model, batches, dist_info.device, cfg.trainer.precision,
+                                     cfg.trainer.channels_last, metric_prefix(of_ema))
 
     return evaluate
-
-
-@recipe_main(Cifar100ResNet50Config)
-def main(cfg: Cifar100ResNet50Config) -> None:
-    with training_process(cfg) as dist_info:
-        train(cfg, dist_info)
 
 
 def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
@@ -161,4 +149,4 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    recipe_main(Cifar100ResNet50Config, train)  # overrides from the command line; train() in a training process

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from common.data import cifar100
 from common.data.image_batches import Normalize, random_crop_and_flip
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main, training_process
+from common.entry import recipe_main
 from common.errors import UserError
-from common.evaluate import evaluating
+from common.evaluate import metric_prefix, model_outputs
 from common.pytorch.distributed import DistInfo, on_device
 from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
@@ -103,16 +103,12 @@ def evaluator(cfg: DinoV2FSDPConfig, dist_info: DistInfo, split: str) -> Evaluat
 
     def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
         sums = SumMetrics(dist_info.device)
-        with evaluating(model):
-            for batch, keep in batches:
-                batch, keep = batch.to(images.device), keep.to(images.device)
-                x = to_model_input(images[batch], cfg.model.image_size, normalize)
-                if cfg.trainer.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                with autocast(dist_info.device, precision):
-                    logits = model(x)
-                add_classification(sums, logits, labels[batch], keep)
-        return classification_metrics(sums.reduce(), "eval_ema" if of_ema else "eval")
+        inputs = ((to_model_input(images[batch.to(images.device)], cfg.model.image_size, normalize),
+                   (labels[batch.to(images.device)], keep.to(images.device))) for batch, keep in batches)
+        for logits, (targets, keep) in model_outputs(model, inputs, dist_info.device, precision,
+                                                     cfg.trainer.channels_last):
+            add_classification(sums, logits, targets, keep)
+        return classification_metrics(sums.reduce(), metric_prefix(of_ema))
 
     return evaluate
 
@@ -126,12 +122,6 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
 def process_group(cfg: DinoV2FSDPConfig) -> dict[str, bool]:
     """The process group FSDP needs: gloo beside nccl for CPU offload, a group even of one rank."""
     return {"cpu_collectives": cfg.fsdp.cpu_offload, "group_of_one": cfg.fsdp.on_one_rank}
-
-
-@recipe_main(DinoV2FSDPConfig)
-def main(cfg: DinoV2FSDPConfig) -> None:
-    with training_process(cfg, **process_group(cfg)) as dist_info:
-        train(cfg, dist_info)
 
 
 def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
@@ -243,4 +233,4 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    recipe_main(DinoV2FSDPConfig, train, process_group)  # overrides from the command line; train() in a process

@@ -21,9 +21,9 @@ from common.data.image_batches import Normalize
 from common.data.images import DeviceTrainInput, ResizedImages, TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded, make_loader
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main, training_process
+from common.entry import recipe_main
 from common.errors import UserError
-from common.evaluate import evaluating
+from common.evaluate import metric_prefix, model_outputs
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine
@@ -112,31 +112,19 @@ class SplitEvaluation:
     def __call__(self, model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
         cfg, device, levels = self.cfg, self.dist_info.device, self.levels
         metrics = TaxonomyMetrics(self.heads, self.parents, device)
-        with evaluating(model):
-            for batch, labels in self.loader:
-                x = self.normalize(batch)
-                if cfg.trainer.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                labels = labels.to(device, non_blocking=True)
-                with autocast(device, cfg.trainer.precision):
-                    outputs = model(x)
-                outputs = {level: logits.float() for level, logits in outputs.items()}
-                metrics.add_loss(self.criterion(outputs, labels, training=False), len(labels))
-                for column, level in enumerate(levels):
-                    metrics.add_level(level, outputs[level], labels[:, column])
-                if self.parents:
-                    metrics.add_consistency({level: logits.argmax(1) for level, logits in outputs.items()})
-                    if cfg.model.derive_from_species:
-                        for level, table in self.parents.items():
-                            derived = species_marginals(outputs["species"], table, self.num_classes[level])
-                            metrics.add_level(f"{level}_from_species", derived, labels[:, levels.index(level)])
-        return metrics.compute(f"{self.split}_ema" if of_ema else self.split)
-
-
-@recipe_main(FungiTasticConfig)
-def main(cfg: FungiTasticConfig) -> None:
-    with training_process(cfg) as dist_info:
-        train(cfg, dist_info)
+        batches = ((self.normalize(batch), labels.to(device, non_blocking=True)) for batch, labels in self.loader)
+        for outputs, labels in model_outputs(model, batches, device, cfg.trainer.precision, cfg.trainer.channels_last):
+            outputs = {level: logits.float() for level, logits in outputs.items()}
+            metrics.add_loss(self.criterion(outputs, labels, training=False), len(labels))
+            for column, level in enumerate(levels):
+                metrics.add_level(level, outputs[level], labels[:, column])
+            if self.parents:
+                metrics.add_consistency({level: logits.argmax(1) for level, logits in outputs.items()})
+                if cfg.model.derive_from_species:
+                    for level, table in self.parents.items():
+                        derived = species_marginals(outputs["species"], table, self.num_classes[level])
+                        metrics.add_level(f"{level}_from_species", derived, labels[:, levels.index(level)])
+        return metrics.compute(metric_prefix(of_ema, self.split))
 
 
 def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
@@ -265,4 +253,4 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    recipe_main(FungiTasticConfig, train)  # overrides from the command line; train() in a training process

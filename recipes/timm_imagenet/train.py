@@ -32,11 +32,11 @@ from common.data.images import DeviceTrainInput, TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded, make_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.data.staging import stage_directory
-from common.entry import recipe_main, training_process
+from common.entry import recipe_main
 from common.errors import UserError
-from common.evaluate import evaluating
+from common.evaluate import classification_scores, metric_prefix
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
-from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics, ratio
+from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_global_rng
@@ -82,17 +82,9 @@ def evaluator(cfg: TimmImageNetConfig, dist_info: DistInfo, split: str) -> Evalu
     normalize = Normalize(eval_config["mean"], eval_config["std"], dist_info.device)
 
     def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
-        sums = SumMetrics(dist_info.device)
-        sums.add(loss=0.0, top1=0, top5=0, count=0)  # a rank with no images still joins the reduction
-        with evaluating(model):
-            for batch, labels in loader:
-                x = normalize(batch)
-                if cfg.trainer.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                with autocast(dist_info.device, cfg.trainer.precision):
-                    logits = model(x)
-                add_classification(sums, logits, labels.to(dist_info.device, non_blocking=True))
-        return classification_metrics(sums.reduce(), "eval_ema" if of_ema else "eval")
+        batches = ((normalize(batch), labels.to(dist_info.device, non_blocking=True)) for batch, labels in loader)
+        return classification_scores(model, batches, dist_info.device, cfg.trainer.precision,
+                                     cfg.trainer.channels_last, metric_prefix(of_ema))
 
     return evaluate
 
@@ -108,12 +100,6 @@ def make_criterion(cfg: TimmImageNetConfig, mixing: bool) -> torch.nn.Module:
     if cfg.optim.label_smoothing:
         return LabelSmoothingCrossEntropy(smoothing=cfg.optim.label_smoothing)
     return torch.nn.CrossEntropyLoss()
-
-
-@recipe_main(TimmImageNetConfig)
-def main(cfg: TimmImageNetConfig) -> None:
-    with training_process(cfg) as dist_info:
-        train(cfg, dist_info)
 
 
 def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
@@ -242,4 +228,4 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    recipe_main(TimmImageNetConfig, train)  # overrides from the command line; train() in a training process

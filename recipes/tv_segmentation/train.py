@@ -16,8 +16,8 @@ import torch
 from common.data.image_batches import Normalize
 from common.data.loaders import PerSampleSeeded, make_loader
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main, training_process
-from common.evaluate import evaluating
+from common.entry import recipe_main
+from common.evaluate import metric_prefix, model_outputs
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr
@@ -67,16 +67,12 @@ def evaluator(cfg: TvSegmentationConfig, dist_info: DistInfo, split: str) -> Eva
 
     def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
         matrix = ConfusionMatrix(cfg.model.num_classes, dist_info.device)
-        with evaluating(model):
-            for images, masks in loader:
-                x = normalize(images)
-                if cfg.trainer.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                with autocast(dist_info.device, cfg.trainer.precision):
-                    logits = model(x)["out"]
-                matrix.update(masks.to(dist_info.device, non_blocking=True), logits.argmax(1))
+        batches = ((normalize(images), masks.to(dist_info.device, non_blocking=True)) for images, masks in loader)
+        for outputs, masks in model_outputs(model, batches, dist_info.device, cfg.trainer.precision,
+                                            cfg.trainer.channels_last):
+            matrix.update(masks, outputs["out"].argmax(1))
         scores = segmentation_scores(matrix.reduce())
-        prefix = "eval_ema" if of_ema else "eval"
+        prefix = metric_prefix(of_ema)
         metrics = {f"{prefix}/miou": scores["miou"], f"{prefix}/pixel_accuracy": scores["pixel_accuracy"]}
         for name, iou in zip(class_names(cfg.model.num_classes), scores["iou"]):
             if iou == iou:  # NaN: the class is neither in the targets nor predicted
@@ -84,12 +80,6 @@ def evaluator(cfg: TvSegmentationConfig, dist_info: DistInfo, split: str) -> Eva
         return metrics
 
     return evaluate
-
-
-@recipe_main(TvSegmentationConfig)
-def main(cfg: TvSegmentationConfig) -> None:
-    with training_process(cfg) as dist_info:
-        train(cfg, dist_info)
 
 
 def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
@@ -172,4 +162,4 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    recipe_main(TvSegmentationConfig, train)  # overrides from the command line; train() in a training process
