@@ -62,13 +62,13 @@ def overrides(data: Path, run_dir: Path | None, *extra: str) -> list[str]:
     return [f"data.root={data}", *([f"run_dir={run_dir}"] if run_dir else []), *TINY, *extra]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tarball(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CIFAR-100 python-version tarball with 48 train and 16 test images."""
     return write_cifar100_tarball(tmp_path_factory.mktemp("download") / prep.TARBALL, N_TRAIN, N_TEST)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cifar_root(tarball: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tarball prepared by the real prep code (with the test tarball's own md5)."""
     out = tmp_path_factory.mktemp("cifar100")
@@ -76,7 +76,7 @@ def cifar_root(tarball: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference_run(cifar_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run with every augmentation on: 3 epochs of 6 steps."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"

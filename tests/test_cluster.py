@@ -37,7 +37,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 # ---- SLURM: the real fashion_mnist sbatch file ----------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def slurm_runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Two jobs with the same config, side by side: one left alone, one pre-empted with USR1."""
     tmp = tmp_path_factory.mktemp("sbatch")

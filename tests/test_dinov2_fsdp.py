@@ -41,7 +41,7 @@ def tiny_dinov2_config():
                         patch_size=14)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cifar_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The layout `make prep-cifar100_resnet50` leaves: data/cifar100/cifar-100-python/{train,test,meta}."""
     root = tmp_path_factory.mktemp("cifar100")
@@ -51,7 +51,7 @@ def cifar_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pretrained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 'pretrained' backbone in transformers' save_pretrained layout (config.json + model.safetensors)."""
     from transformers import Dinov2Model
@@ -73,7 +73,7 @@ def overrides(data: Path, backbone: Path | str, run_dir: Path | None, *extra: st
     ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(cifar_root: Path, pretrained_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted 2-rank run (bf16 FSDP2) that keeps a checkpoint of every step."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"

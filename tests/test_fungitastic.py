@@ -61,7 +61,7 @@ def overrides(data: Path, run_dir: Path | None, *extra: str) -> list[str]:
     return [f"data.root={data}", *([f"run_dir={run_dir}"] if run_dir else []), *TINY, *extra]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fungi_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fake download, prepared with MINI=1 (two rows per species in the minimal CSVs)."""
     base = tmp_path_factory.mktemp("fungitastic")
@@ -70,7 +70,7 @@ def fungi_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "data"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference_run(fungi_data: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     """An uninterrupted 3-epoch run (no DataLoader workers), shared by the end-to-end and resume tests."""
@@ -317,7 +317,7 @@ def test_end_to_end_reports_every_rank_on_val_and_test(reference_run: tuple[Path
     assert summary["best_metric"] == "val/species/f1"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fungi_data_one_val_image_missing(fungi_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The prepared data with one known-species val image deleted: 7 val rows, split 4 + 3 on 2 ranks."""
     data = tmp_path_factory.mktemp("fungi_missing") / "data"

@@ -193,7 +193,7 @@ def _two_ranks(rank: int, cases: dict[str, list[str]], folder: Path) -> None:
     torch.save(results, folder / f"rank{rank}.pt")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every recipe's first step on 2 ranks, both ranks' records (one pair of processes for all)."""
     folder = tmp_path_factory.mktemp("two-ranks")

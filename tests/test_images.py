@@ -45,7 +45,7 @@ CPU = torch.device("cpu")
 TIMM_DEFAULT = TrainAugmentation(size=SIZE, colour_jitter=0.4)  # timm's create_transform defaults, bilinear
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_jpeg_cases(tmp_path_factory.mktemp("jpegs"))
 

@@ -6,7 +6,7 @@ UTS namespace (hostname node0 or node1) and mount namespace (its own /etc/hosts 
 folder, its TMPDIR). The jobs submit the real ``cluster/slurm/multinode.sbatch``: srun starts
 torchrun on each node, the c10d rendezvous is at the first node's NodeAddr, gloo on CPU.
 
-The SLURM scenarios run side by side, each in a thread of one module fixture (SLURM queues what
+The SLURM scenarios run side by side, each in a thread of one session fixture (SLURM queues what
 does not fit on the nodes), and the tests check what each recorded. Where namespaces are not
 permitted they skip, and REQUIRE_MULTINODE=1 (CI) makes that a failure.
 """
@@ -296,7 +296,7 @@ def resized_and_node_killed(cluster: sc.LocalCluster, tmp: Path, data: Path) -> 
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def scenarios(multinode_slurm: sc.LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every scenario's record, or the exception that ended it (raised again by its tests)."""
     tmp = tmp_path_factory.mktemp("multinode")

@@ -48,7 +48,7 @@ class Recorded:
         return read_metrics_file(self.run_dir / "tensorboard" / "metrics.jsonl")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def recorded(fashion_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Recorded:
     """Segment one: 6 steps with a trace of steps 3-4, TensorBoard, a progress line per log. Then
     the manifest of its last checkpoint is made to say another PyTorch wrote it, and segment two

@@ -196,7 +196,7 @@ def test_pruners_by_name_and_a_bad_option_is_one_line() -> None:
 # ---- two workers at once ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_workers(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Two workers started at once on one study of 4 trials; both left to finish."""
     tmp = tmp_path_factory.mktemp("two_workers")

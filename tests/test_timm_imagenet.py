@@ -47,7 +47,7 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def imagenet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """3 classes of 40x40 JPEGs: 16 train and 5 val images per class (15 val: odd on 2 ranks)."""
     return write_image_folder(tmp_path_factory.mktemp("imagenet"), train_per_class=16, val_per_class=5)

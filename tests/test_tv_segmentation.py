@@ -58,13 +58,13 @@ def overrides(data: Path, run_dir: Path | None, *extra: str) -> list[str]:
     return [f"data.root={data}", *([f"run_dir={run_dir}"] if run_dir else []), *TINY, *extra]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def voc_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """12 train and 5 val images of three sizes, masks with 255 outlines, classes 1, 7, 15."""
     return write_voc(tmp_path_factory.mktemp("voc") / "VOC2012", n_train=12, n_val=5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def coco_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_coco(tmp_path_factory.mktemp("coco") / "coco")
 
