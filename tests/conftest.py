@@ -144,12 +144,20 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
                                     f"stderr:\n{result.stderr[-3000:]}")
 
 
+# Under pytest-xdist (make test), the tests that share one of these session fixtures run in one
+# worker, which builds the fixture once (each worker would build its own): the local SLURM clusters
+# (never two started at the same moment) and the trained runs or studies several tests read.
+SHARED_FIXTURES = ("slurm_env", "multinode_slurm", "fungi_data", "two_workers", "two_ranks", "reference",
+                   "reference_run", "recorded")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test``), the tests of the local SLURM clusters run in one worker,
-    which starts each cluster once and never two at the same moment."""
     for item in items:
-        if {"slurm_env", "multinode_slurm"} & set(item.fixturenames):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+        shared = [name for name in SHARED_FIXTURES if name in item.fixturenames]
+        if shared:
+            group = "slurm" if shared[0] in ("slurm_env", "multinode_slurm") else f"{item.path.stem}.{shared[0]}"
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
