@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -144,20 +145,35 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
                                     f"stderr:\n{result.stderr[-3000:]}")
 
 
-# Under pytest-xdist (make test), the tests that share one of these session fixtures run in one
-# worker, which builds the fixture once (each worker would build its own): the local SLURM clusters
-# (never two started at the same moment) and the trained runs or studies several tests read.
-SHARED_FIXTURES = ("slurm_env", "multinode_slurm", "fungi_data", "two_workers", "two_ranks", "reference",
-                   "reference_run", "recorded")
+# Under pytest-xdist (make test: --dist loadgroup), each of these groups of test modules runs in one
+# worker, which builds their shared session fixtures once (each worker would build its own): the
+# local SLURM clusters (and the search's SLURM array), the trained runs, studies and gradients
+# several tests of a module read. xdist's own xdist_group markers are not used: xdist 3.8 applies
+# them by renaming item._nodeid, which pytest 9 no longer reads.
+WORKER_GROUPS = {
+    "slurm": ("test_cluster", "test_local_slurm", "test_multinode", "test_search"),
+    "trained_runs": ("test_evaluate", "test_export", "test_init_from"),
+    "dinov2_fsdp": ("test_dinov2_fsdp",),
+    "fungitastic": ("test_fungitastic",),
+    "cifar100_resnet50": ("test_cifar100_resnet50",),
+    "gradient_equivalence": ("test_gradient_equivalence",),
+    "records": ("test_records",),
+}
+_GROUP_OF_MODULE = {module: group for group, modules in WORKER_GROUPS.items() for module in modules}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        shared = [name for name in SHARED_FIXTURES if name in item.fixturenames]
-        if shared:
-            group = "slurm" if shared[0] in ("slurm_env", "multinode_slurm") else f"{item.path.stem}.{shared[0]}"
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``--dist loadgroup``: xdist's scope scheduling, a scope being a group of
+    :data:`WORKER_GROUPS` or else a single test (the largest groups are handed out first)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkerGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _GROUP_OF_MODULE.get(Path(nodeid.split("::", 1)[0]).stem, nodeid)
+
+    return WorkerGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

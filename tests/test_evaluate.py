@@ -23,8 +23,6 @@ from tests.trained_runs import (
     timm_run,
 )
 
-pytestmark = pytest.mark.xdist_group("trained_runs")  # one worker trains the shared runs, once
-
 FUNGI_LEVELS = ("species", "genus", "family", "order", "class", "phylum")
 
 

@@ -23,8 +23,6 @@ from recipes.timm_imagenet.model import build_model as timm_model
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.trained_runs import dinov2_run, fashion_run, fungi_run, summary, timm_run
 
-pytestmark = pytest.mark.xdist_group("trained_runs")  # one worker trains the shared runs, once
-
 
 def checkpoint_state(run: Path, which: str = "latest") -> dict:
     trained = open_run(run, which)

@@ -19,8 +19,6 @@ from recipes.cifar100_resnet50.model import build_model
 from tests.conftest import REPO, assert_ok, recipe_env, run_recipe
 from tests.trained_runs import TINY, cifar_run, dinov2_run, fashion_data, fungi_data, summary, timm_run, train_here
 
-pytestmark = pytest.mark.xdist_group("trained_runs")  # one worker trains the shared runs, once
-
 FROZEN = ["optim.lr=0", "trainer.max_steps=1"]  # one step that changes no parameter: the weights stay the initial ones
 
 
