@@ -29,6 +29,7 @@ import torch
 
 import benchmarks
 from benchmarks.results import Result
+from common.provenance import cpu_model
 
 RESULTS_FILE = Path(__file__).with_name("RESULTS.md")
 NOT_BENCHMARKS = {"run", "results", "gpu_check"}
@@ -56,24 +57,14 @@ def load_runner(name: str) -> Callable[[bool], list[Result]] | None:
     return runner if callable(runner) else None
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_description() -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
         else []
     gpu = ", ".join(gpus) if gpus else "none"
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    return (f"CPU {cpu_model()} ({cores} cores usable{load}); GPU {gpu}; torch {torch.__version__}, "
-            f"Python {platform.python_version()}, {platform.system()} {platform.release()}")
+    return (f"CPU {cpu_model() or platform.machine()} ({cores} cores usable{load}); GPU {gpu}; "
+            f"torch {torch.__version__}, Python {platform.python_version()}, {platform.system()} {platform.release()}")
 
 
 def format_value(value: float) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from common.checkpoint import Attachment, CheckpointError, LoadedCheckpoint, read_attachment
+from common.provenance import cpu_model
 
 ARCHIVE_FILE = "compile_cache.tar"
 CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
@@ -36,13 +37,7 @@ def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's model: compiled kernels are made for one of them."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model() or platform.machine()
 
 
 def source_digest(recipe: str, root: Path = REPO) -> str:
