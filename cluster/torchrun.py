@@ -21,16 +21,14 @@ it reports when the workers end:
 * SIGUSR1 (SLURM's usual warning signal) is forwarded to the workers like SIGTERM, and workers
   get 120 s to write their checkpoint before torchrun kills them (its default is 30 s). Both can
   be set as for torchrun: ``--signals-to-handle`` or ``PET_SIGNALS_TO_HANDLE``, and
-  ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (``--shutdown-timeout`` where torchrun has that option).
-  Releases before that option close the workers with a hard-coded 30 s; there this launcher makes
-  their close wait ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (:func:`give_workers_the_shutdown_window`).
+  ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, which every close of the workers waits, on every torch
+  release (:func:`give_workers_the_shutdown_window`).
 
 Any other failure is reported as torchrun reports it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import signal
@@ -41,7 +39,6 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import PContext, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
-from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
 from common import heartbeat
@@ -96,22 +93,15 @@ def report_hang(module: str, script_args: list[str], codes: list[int], started: 
     return True
 
 
-def torchrun_has_shutdown_timeout() -> bool:
-    """Whether this torch's torchrun passes a shutdown window (``--shutdown-timeout``, else
-    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) to the close of its workers."""
-    return any(field.name == "shutdown_timeout" for field in dataclasses.fields(LaunchConfig))
-
-
 def give_workers_the_shutdown_window() -> None:
-    """Make the workers' stop window ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds on every torch.
+    """Make every close of the workers wait ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds.
 
-    Releases whose torchrun has no shutdown window (torch 2.11 among them) stop their workers
-    with ``PContext.close(death_sig)``, whose timeout defaults to a hard-coded 30 s: a stop
-    checkpoint that takes longer (the agreement on the stop, then the save and fsync of a large
-    model) would be SIGKILLed mid-save. There, every close waits our window instead.
+    torch 2.11's agent closes them with ``PContext.close(death_sig)``, whose timeout defaults to a
+    hard-coded 30 s, so a stop checkpoint that takes longer (the agreement on the stop, then the
+    save and fsync of a large model) would be SIGKILLed mid-save. Later releases pass the window
+    to the close after a signal only, and still give 30 s after a worker failed. One window for
+    every close, on every release: the same stop and the same hang report everywhere.
     """
-    if torchrun_has_shutdown_timeout():
-        return
     value = os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
     if not value.isdigit():
         fail(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be whole seconds, not {value!r}")

@@ -225,7 +225,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "stop-window-hard-coded-by-torch", "cluster/torchrun.py",
         "        close(self, death_sig, seconds)", "        close(self, death_sig, timeout)",
-        ("tests/test_cluster.py::test_torchrun_gives_the_stop_checkpoint_its_window_where_torch_hard_codes_30_s",),
+        ("tests/test_cluster.py::test_torchrun_gives_the_stop_checkpoint_its_window_where_torch_hard_codes_one",),
         "on torch 2.11 a stop checkpoint that takes over 30 s is killed mid-save, and the job exits 1, not 75",
     ),
     Mutation(
