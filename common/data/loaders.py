@@ -5,11 +5,15 @@ PyTorch draws when an iterator is created. A run that resumes mid-epoch creates 
 at a different moment, so its augmentations (and its final weights) would differ from an
 uninterrupted run. :class:`PerSampleSeeded` makes each sample's randomness a function of
 ``(seed, epoch, index)`` only, which keeps resume bit-exact whatever the worker count.
+A stop signal sent to a rank's whole process group is left to the rank
+(:func:`leave_stop_signals_to_the_rank`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +55,30 @@ def cpu_cores_per_rank() -> int:
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
+def leave_stop_signals_to_the_rank(worker_id: int) -> None:
+    """A DataLoader worker's ``worker_init_fn``: SIGTERM and SIGUSR1 are its rank's to act on.
+
+    torchrun forwards a stop signal to each rank's whole process group, and SLURM signals every
+    process of a job step. PyTorch's SIGTERM handler in a worker exits quietly only when the
+    worker's parent sent it and otherwise dies of it, so the rank failed with "DataLoader worker
+    exited unexpectedly" instead of writing its stop checkpoint (exit 1, not 75: no requeue).
+    Here both signals wait in a thread of the worker: SIGUSR1 is dropped, and SIGTERM ends the
+    worker only when its parent sent it (the loader shutting it down, as PyTorch's handler does).
+    """
+    if not hasattr(signal, "sigwaitinfo"):  # macOS: PyTorch's own handling stays
+        return
+    parent, stops = os.getppid(), {signal.SIGTERM, signal.SIGUSR1}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # the main thread's mask, which the waiter inherits
+
+    def wait() -> None:
+        while True:
+            received = signal.sigwaitinfo(stops)
+            if received.si_signo == signal.SIGTERM and received.si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=wait, name="stop-signals", daemon=True).start()
+
+
 def make_loader(
     dataset: Dataset,
     sampler: ResumableDistributedSampler,
@@ -81,4 +109,5 @@ def make_loader(
         collate_fn=collate_fn,
         drop_last=drop_last,
         generator=generator,
+        worker_init_fn=leave_stop_signals_to_the_rank if num_workers > 0 else None,
     )
