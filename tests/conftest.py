@@ -187,11 +187,15 @@ def fashion_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_fashion_mnist(tmp_path_factory.mktemp("fashion_mnist"))
 
 
+# A requeued job may start again after 5 s, SLURM's least (the script's default is 10 s).
+REQUEUE_SOONER = {"LOCAL_SLURM_REQUEUE_DELAY": "5"}
+
+
 @pytest.fixture(scope="session")
 def slurm_env(tmp_path_factory: pytest.TempPathFactory):
     """One real local SLURM cluster for the whole session (skipped, or failed under REQUIRE_SLURM=1, without it)."""
     sc.require_slurm_or_skip()
-    with sc.running_local_slurm(tmp_path_factory.mktemp("slurm")) as env:
+    with sc.running_local_slurm(tmp_path_factory.mktemp("slurm"), extra_env=REQUEUE_SOONER) as env:
         yield env
 
 
@@ -201,7 +205,6 @@ def multinode_slurm(tmp_path_factory: pytest.TempPathFactory):
     mount namespace (skipped where namespaces are not permitted, failed under REQUIRE_MULTINODE=1)."""
     sc.require_multinode_or_skip(nodes=2)
     state = tmp_path_factory.mktemp("slurm2")
-    # A requeued job may start again after 5 s (the script's default is 10 s).
-    with sc.running_local_slurm(state, nodes=2, extra_env={"LOCAL_SLURM_REQUEUE_DELAY": "5"}) as env:
+    with sc.running_local_slurm(state, nodes=2, extra_env=REQUEUE_SOONER) as env:
         yield sc.LocalCluster(env=env, state_dir=state, nodes=("node0", "node1"))
 

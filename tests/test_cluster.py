@@ -240,29 +240,6 @@ def launch(args: list[str], log_dir: Path, **env: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.slow
-def test_launch_two_nodes_with_c10d_rendezvous_trains_to_completion(tmp_path: Path):
-    data = write_fashion_mnist(tmp_path / "data")
-    run_dir = tmp_path / "run"
-    port = str(free_port())
-    overrides = ["--", f"data.root={data}", f"run_dir={run_dir}", "trainer.max_steps=6", *TINY]
-    nodes = [launch(["fashion_mnist", "2", str(rank), "127.0.0.1", port, *overrides], tmp_path / "logs",
-                    CONNECT_TIMEOUT="120") for rank in (0, 1)]
-    outputs = [node.communicate(timeout=400)[0] for node in nodes]
-
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output
-    assert "preflight: master port: port" in outputs[0]
-    assert "preflight: master reachable" in outputs[1]
-    assert "all-reduce (gloo) across 2 ranks: ok" in outputs[0]
-    result = read_summary(run_dir)
-    assert result["world_size"] == 2 and result["steps"] == 6
-    for rank in (0, 1):
-        latest = tmp_path / "logs" / f"latest_node{rank}.log"
-        assert latest.is_symlink() and latest.resolve().name.endswith(f"-node{rank}.log")
-        assert "preflight: config: fashion_mnist config resolves" in latest.read_text()
-
-
 def test_launch_worker_with_closed_master_port_fails_with_one_clear_line(tmp_path: Path):
     port = str(free_port())  # nobody listens on it
     node = launch(["fashion_mnist", "2", "1", "127.0.0.1", port, "--", *TINY], tmp_path / "logs",

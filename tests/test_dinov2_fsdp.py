@@ -148,20 +148,16 @@ def test_probe_then_finetune_with_the_backbone_frozen_in_stage_one(
         assert not torch.equal(first_finetune["model"][f"backbone.{name}"], pretrained[name]), name
 
 
-@pytest.mark.parametrize(("nproc", "stop_signal"), [pytest.param(1, signal.SIGUSR1, id="1-SIGUSR1"),
-                                                    pytest.param(2, signal.SIGTERM, id="2-SIGTERM")])
 def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(
-    reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path, nproc: int, stop_signal: signal.Signals
+    reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path
 ) -> None:
     """Two ranks (FSDP2, sharded checkpoints): killed in the fine-tune stage, so the resume must
     restore the stage and its optimizer; the 11 test images split 6 + 5 score exactly as FSDP2 on
-    one rank. One rank (no FSDP): killed in either stage, stopped at the end of the probe or later."""
-    if nproc == 2:
-        summary = kill_signal_resume(RECIPE, overrides(cifar_root, pretrained_dir, None), tmp_path, 2, stop_signal,
-                                     reference=reference, first_kill=PROBE_STEPS + 1,
-                                     one_rank_eval_overrides=("fsdp.on_one_rank=true",))
-    else:
-        summary = kill_signal_resume(RECIPE, overrides(cifar_root, pretrained_dir, None), tmp_path, 1, stop_signal)
+    one rank. (One process's SIGTERM and resume, without FSDP: make gpu-check,
+    tests/test_gpu_check.py.)"""
+    summary = kill_signal_resume(RECIPE, overrides(cifar_root, pretrained_dir, None), tmp_path, 2, signal.SIGTERM,
+                                 reference=reference, first_kill=PROBE_STEPS + 1,
+                                 one_rank_eval_overrides=("fsdp.on_one_rank=true",))
     assert summary["steps"] == TOTAL_STEPS and summary["stage"] == "finetune"
 
 

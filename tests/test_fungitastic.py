@@ -27,7 +27,7 @@ from recipes.fungitastic.data import split_files
 from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
 from recipes.fungitastic.model import build_model, input_normalization, load_pretrained
 from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe
-from tests.resume import CHAIN_SETTINGS, kill_signal_resume
+from tests.resume import kill_signal_resume
 from tools.tiny_data import FUNGI_TAXA, write_fungitastic
 
 RECIPE = "fungitastic"
@@ -73,9 +73,9 @@ def fungi_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def reference_run(fungi_data: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    """An uninterrupted 3-epoch run (no DataLoader workers), shared by the end-to-end and resume tests."""
+    """An uninterrupted 3-epoch run (no DataLoader workers)."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    result = run_recipe(RECIPE, overrides(fungi_data, run_dir, *RESUME_SETTINGS, *CHAIN_SETTINGS))
+    result = run_recipe(RECIPE, overrides(fungi_data, run_dir, *RESUME_SETTINGS))
     assert_ok(result)
     return run_dir, result
 
@@ -328,22 +328,15 @@ def fungi_data_one_val_image_missing(fungi_data: Path, tmp_path_factory: pytest.
     return data
 
 
-@pytest.mark.parametrize(("nproc", "stop_signal"), [pytest.param(1, signal.SIGTERM, id="1-SIGTERM"),
-                                                    pytest.param(2, signal.SIGUSR1, id="2-SIGUSR1")])
-def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(
-    fungi_data: Path, fungi_data_one_val_image_missing: Path, reference_run: tuple[Path, subprocess.CompletedProcess],
-    tmp_path: Path, nproc: int, stop_signal: signal.Signals,
-) -> None:
-    """One process: the reference loads without workers, the chain with one (which must not change
-    the augmentation). Two: class-weighted losses, and 7 val rows split unevenly, every metric equal
-    to one rank's."""
-    if nproc == 1:
-        kill_signal_resume(RECIPE, overrides(fungi_data, None, *RESUME_SETTINGS, "trainer.num_workers=1"), tmp_path,
-                           1, stop_signal, reference=reference_run[0])
-        return
-    settings = [*RESUME_SETTINGS, "data.skip_missing=true", "loss.class_weighted_levels=[species,genus]"]
+def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(fungi_data_one_val_image_missing: Path,
+                                                                       tmp_path: Path) -> None:
+    """Two ranks, each loading with a worker (which must not change the augmentation): class-weighted
+    losses, and 7 val rows split unevenly, every metric equal to one rank's. (One process's SIGTERM
+    and resume: make gpu-check, tests/test_gpu_check.py.)"""
+    settings = [*RESUME_SETTINGS, "trainer.num_workers=1", "data.skip_missing=true",
+                "loss.class_weighted_levels=[species,genus]"]
     summary = kill_signal_resume(RECIPE, overrides(fungi_data_one_val_image_missing, None, *settings), tmp_path, 2,
-                                 stop_signal)
+                                 signal.SIGUSR1)
     assert summary["steps"] == 3 * TRAIN_ROWS // (4 * 2)
     assert summary["metrics"]["val/samples"] == 7 and summary["metrics"]["test/samples"] == 8
     assert summary["skipped_missing_images"] == {"train": 0, "val": 1, "test": 0}

@@ -161,9 +161,10 @@ def ship(node: Path, store: Path) -> None:
     os.symlink(os.readlink(link), store / link.name)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_run_stopped_mid_epoch_resumes_from_what_the_isc_ships_at_another_path(fashion_data: Path, tmp_path: Path,
-                                                                               nproc: int) -> None:
+def test_a_run_stopped_mid_epoch_resumes_from_what_the_isc_ships_at_another_path(fashion_data: Path,
+                                                                               tmp_path: Path) -> None:
+    """Two processes; one process's cycles are test_make_isc_rehearse_... and test_search's ISC test."""
+    nproc = 2
     reference = tmp_path / "reference"
     assert_ok(run_recipe(RECIPE, [f"data.root={fashion_data}", f"run_dir={reference}", *TINY, *SETTINGS],
                          nproc=nproc))

@@ -439,6 +439,10 @@ def test_launch_on_two_nodes_node1_reaches_node0_by_its_address(multinode_slurm:
     assert "all-reduce (gloo) across 2 ranks: ok" in outputs[0]
     summary = read_summary(tmp_path / "run")
     assert summary["world_size"] == 2 and summary["steps"] == 6
+    for rank in (0, 1):
+        latest = tmp_path / "logs" / f"latest_node{rank}.log"
+        assert latest.is_symlink() and latest.resolve().name.endswith(f"-node{rank}.log")
+        assert "preflight: config: fashion_mnist config resolves" in latest.read_text()
 
 
 def test_launch_on_a_node_whose_master_port_is_closed_fails_with_one_clear_line(

@@ -254,10 +254,11 @@ def test_a_report_prints_every_trial_and_draws_the_plots(two_workers: dict) -> N
 def test_a_worker_stopped_mid_trial_leaves_it_to_the_next_worker_while_the_other_goes_on(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Trial 0 pauses after its step-2 checkpoint in whichever worker takes it; the other worker
-    runs trials 1-3 meanwhile (no batch barrier) and ends, leaving trial 0 to its holder. SIGTERM to
-    the holder: the trial checkpoints, the worker exits 75, and a new worker resumes the trial."""
+    runs trials 1 and 2 meanwhile (no batch barrier) and ends, leaving trial 0 to its holder. SIGTERM
+    to the holder: the trial checkpoints, the worker exits 75, and a new worker resumes the trial.
+    (That a resumed trial ends as if never stopped: the SIGKILL and ISC tests below.)"""
     study, overrides = tmp_path / "study", fashion_overrides(tmp_path_factory, *CHAIN_SETTINGS)
-    command = search_command("fashion_mnist", write_space(tmp_path, FASHION_SPACE), study, 4, overrides)
+    command = search_command("fashion_mnist", write_space(tmp_path, FASHION_SPACE), study, 3, overrides)
     marker = tmp_path / "paused"
     env = paused_env(2, marker, PAUSE_ONLY_IN=f"{os.sep}trial_0{os.sep}")
     workers = [start_worker(command, env) for _ in range(2)]
@@ -272,7 +273,7 @@ def test_a_worker_stopped_mid_trial_leaves_it_to_the_next_worker_while_the_other
         (other,) = [worker for worker in workers if worker is not holder]
         other_output = finish(other)
         assert other.returncode == 0, other_output
-        assert sorted(started(other_output)) == [1, 2, 3] and resumed(other_output) == [], other_output
+        assert sorted(started(other_output)) == [1, 2] and resumed(other_output) == [], other_output
         assert "nothing left for this worker: trial(s) 0 run elsewhere" in other_output
         assert holder.poll() is None  # still holding trial 0, paused
 
@@ -287,7 +288,7 @@ def test_a_worker_stopped_mid_trial_leaves_it_to_the_next_worker_while_the_other
     assert "received SIGTERM: checkpoint saved at step 3" in holder_output
     assert "trial 0: stopped after its checkpoint (exit 75); it stays in the study" in holder_output
     record = study_json(study)
-    assert [trial["state"] for trial in record["trials"]] == ["running", "complete", "complete", "complete"]
+    assert [trial["state"] for trial in record["trials"]] == ["running", "complete", "complete"]
     assert not (study / "claims" / "trial_0" / LOCK_FILE).exists()  # released: any worker may resume it
 
     result = run_worker(command)
@@ -297,10 +298,8 @@ def test_a_worker_stopped_mid_trial_leaves_it_to_the_next_worker_while_the_other
     summary = read_summary(study / "trial_0")
     assert summary["resumes"] == 1 and summary["steps"] == 16
     record = study_json(study)
-    assert record["counts"] == {"complete": 4} and len(record["trials"]) == 4
+    assert record["counts"] == {"complete": 3} and len(record["trials"]) == 3
     assert record["trials"][0]["value"] == summary["metrics"]["eval/top1"]
-    alone = trained_alone("fashion_mnist", overrides, record["trials"][0], tmp_path / "alone")
-    assert summary["model_digest"] == alone["model_digest"]
 
 
 @pytest.mark.parametrize("recipe", ["fashion_mnist", "cifar100_resnet50"])
