@@ -30,10 +30,10 @@ from torchvision.ops import roi_align
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as tvf
 
-from common.data.auto_augment import batch_policy
 from common.config import Decode
-from common.errors import UserError
+from common.data.auto_augment import batch_policy
 from common.data.image_batches import Normalize
+from common.errors import UserError
 
 cv2.setNumThreads(0)  # DataLoader workers already run in parallel
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from common.pytorch.rng import seeded_global_rng
 from common.data.sampler import ResumableDistributedSampler
+from common.pytorch.rng import seeded_global_rng
 
 
 class PerSampleSeeded(Dataset):

@@ -14,8 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
-from common.pytorch import distributed
 from common.errors import UserError
+from common.pytorch import distributed
 
 _COMPLETE_MARKER = ".staging-complete"
 
