@@ -176,6 +176,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return WorkerGroupScheduling(config, log)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked ``slow`` first, the order otherwise kept: under xdist they are handed out
+    right after the worker groups, and the suite does not end with one worker on a long chain
+    while the other has nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

@@ -27,6 +27,7 @@ def compile_counters(stdout: str) -> dict:
     return json.loads(lines[0].removeprefix("COMPILE_COUNTERS "))
 
 
+@pytest.mark.slow
 def test_a_resumed_compiled_run_does_not_compile_again(fashion_data: Path, tmp_path: Path) -> None:
     """Each segment gets an empty Inductor cache of its own, as on another node: the second can only
     have its graphs from the checkpoint. Two steps (the first runs eager while train/mfu counts its

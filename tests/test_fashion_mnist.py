@@ -65,6 +65,7 @@ def test_same_seed_same_digest_and_another_seed_differs(fashion_data: Path, tmp_
     assert digests[0] != digests[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "stop_signal", "kill"), [
     pytest.param(2, signal.SIGUSR1, "mid-epoch", id="2-SIGUSR1"),
     pytest.param(1, signal.SIGTERM, "after-evaluation", id="1-SIGTERM-killed-at-an-epoch-end"),

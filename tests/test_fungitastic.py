@@ -330,13 +330,14 @@ def fungi_data_one_val_image_missing(fungi_data: Path, tmp_path_factory: pytest.
 
 def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(fungi_data_one_val_image_missing: Path,
                                                                        tmp_path: Path) -> None:
-    """Two ranks, each loading with a worker (which must not change the augmentation): class-weighted
-    losses, and 7 val rows split unevenly, every metric equal to one rank's. (One process's SIGTERM
-    and resume: make gpu-check, tests/test_gpu_check.py.)"""
+    """Two ranks, each loading with a worker (which must not change the augmentation, and must
+    outlive the SIGTERM torchrun sends to its rank's process group): class-weighted losses, and 7
+    val rows split unevenly, every metric equal to one rank's. (One process's SIGTERM and resume:
+    make gpu-check, tests/test_gpu_check.py.)"""
     settings = [*RESUME_SETTINGS, "trainer.num_workers=1", "data.skip_missing=true",
                 "loss.class_weighted_levels=[species,genus]"]
     summary = kill_signal_resume(RECIPE, overrides(fungi_data_one_val_image_missing, None, *settings), tmp_path, 2,
-                                 signal.SIGUSR1)
+                                 signal.SIGTERM)
     assert summary["steps"] == 3 * TRAIN_ROWS // (4 * 2)
     assert summary["metrics"]["val/samples"] == 7 and summary["metrics"]["test/samples"] == 8
     assert summary["skipped_missing_images"] == {"train": 0, "val": 1, "test": 0}

@@ -17,6 +17,7 @@ from benchmarks.run import HAND_END, HAND_START
 from tests.conftest import REPO, assert_ok, recipe_env
 
 
+@pytest.mark.slow
 def test_the_whole_sequence_runs_on_the_cpu_and_is_recorded(tmp_path: Path) -> None:
     """Compiled runs are left out: on 2 CPU cores each takes minutes of C++ compilation."""
     results = tmp_path / "RESULTS.md"

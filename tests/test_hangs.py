@@ -37,6 +37,7 @@ def hang_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if "hang: a collective waited more than 5 s" in line]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stalled", [1, 0])
 def test_a_rank_stalled_in_a_step_is_named_with_its_host_phase_and_stacks(fashion_data: Path, tmp_path: Path,
                                                                            stalled: int) -> None:
@@ -64,6 +65,7 @@ def test_a_rank_stalled_in_a_step_is_named_with_its_host_phase_and_stacks(fashio
                                                 for rank in range(2)]
 
 
+@pytest.mark.slow
 def test_the_launcher_names_a_frozen_rank_0(fashion_data: Path, tmp_path: Path) -> None:
     """Rank 0 stopped whole (SIGSTOP): it cannot say anything, so cluster/torchrun.py does, from the
     heartbeats, once it has killed it."""

@@ -161,6 +161,7 @@ def ship(node: Path, store: Path) -> None:
     os.symlink(os.readlink(link), store / link.name)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_mid_epoch_resumes_from_what_the_isc_ships_at_another_path(fashion_data: Path,
                                                                                tmp_path: Path) -> None:
     """Two processes; one process's cycles are test_make_isc_rehearse_... and test_search's ISC test."""

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, recipe_env
 
 COPIED = ["common", "conf", "recipes", "data_prep", "tools", "tests", "cluster", "Makefile", "pyproject.toml"]
@@ -25,6 +27,7 @@ def make_sandbox(tmp_path: Path) -> Path:
     return sandbox
 
 
+@pytest.mark.slow
 def test_new_recipe_round_trip(tmp_path: Path) -> None:
     sandbox = make_sandbox(tmp_path)
     venv = Path(sys.executable).parents[1]
@@ -48,13 +51,12 @@ def test_new_recipe_round_trip(tmp_path: Path) -> None:
         text = (sandbox / path).read_text()
         assert "recipes.demo_copy.train" in text and "fashion_mnist" not in text, path
 
-    # What the copy changes is its names: its end-to-end run, one resume chain, its one-line errors and
-    # its config run here, and so do the suite's checks that every recipe has its cluster files,
-    # which pass as they did before the copy (the copied sbatch file is also linted). Its other tests
-    # (multi-process chains, seeds, precisions) are the original's code under another name, which
-    # this suite already runs.
+    # What the copy changes is its names: its end-to-end run, its one-line errors and its config run
+    # here, and so do the suite's checks that every recipe has its cluster files, which pass as they
+    # did before the copy (the copied sbatch file is also linted). Its other tests (resume chains,
+    # seeds, precisions) are the original's code under another name, which this suite already runs.
     already_run = [f"--deselect=tests/test_demo_copy.py::{name}" for name in (
-        "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact[2-SIGUSR1]",
+        "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact",
         "test_gradient_accumulation_keeps_the_effective_batch_on_fewer_ranks",
         "test_a_finished_run_extended_on_another_number_of_ranks_continues",
         "test_same_seed_same_digest_and_another_seed_differs",

@@ -27,7 +27,7 @@ from common.run_lock import LOCK_FILE
 from tests import slurm_cluster as sc
 from tests.conftest import REPO, assert_ok, kill_run, latest_step, read_summary, recipe_env, run_recipe
 from tests.resume import CHAIN_SETTINGS, paused_env, wait_for_pause
-from tests.trained_runs import TINY, cifar_data, fashion_data
+from tests.trained_runs import TINY, fashion_data
 
 DEADLINE_S = 600
 FASHION_SPACE = """
@@ -35,12 +35,6 @@ pruner: none
 params:
   optim.lr: {type: float, low: 1.0e-3, high: 1.0e-2, log: true}
   optim.name: {type: choice, values: [adamw, sgd]}
-"""
-CIFAR_SPACE = """
-pruner: none
-params:
-  optim.lr: {type: float, low: 0.01, high: 0.1, log: true}
-  optim.label_smoothing: {type: float, low: 0.0, high: 0.2}
 """
 
 
@@ -302,19 +296,15 @@ def test_a_worker_stopped_mid_trial_leaves_it_to_the_next_worker_while_the_other
     assert record["trials"][0]["value"] == summary["metrics"]["eval/top1"]
 
 
-@pytest.mark.parametrize("recipe", ["fashion_mnist", "cifar100_resnet50"])
 def test_a_worker_sigkilled_mid_trial_and_started_again_resumes_that_trial_to_the_uninterrupted_digest(
-        recipe: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    if recipe == "fashion_mnist":
-        overrides, space = fashion_overrides(tmp_path_factory, *CHAIN_SETTINGS), FASHION_SPACE
-    else:
-        overrides = [f"data.root={cifar_data(tmp_path_factory)}", *TINY[recipe], "trainer.epochs=2",
-                     *CHAIN_SETTINGS]
-        space = CIFAR_SPACE
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A trial is a run of the recipe like any other; each recipe's own resume chain covers the
+    recipe, this test the search's part (the claim left behind, the trial's parameters)."""
+    recipe, overrides = "fashion_mnist", fashion_overrides(tmp_path_factory, *CHAIN_SETTINGS)
     study, marker = tmp_path / "study", tmp_path / "paused"
-    command = search_command(recipe, write_space(tmp_path, space), study, 1, overrides)
+    command = search_command(recipe, write_space(tmp_path, FASHION_SPACE), study, 1, overrides)
     worker = start_worker(command, paused_env(3, marker))
-    assert wait_for_pause(marker, worker) == 3  # mid-epoch: both recipes have 4 or more steps per epoch
+    assert wait_for_pause(marker, worker) == 3  # mid-epoch: 8 steps per epoch
     kill_run(worker)  # the worker, its trial's run, everything: no clean-up anywhere
     assert latest_step(study / "trial_0" / "checkpoints") == 3
     assert claim_holder(study, 0)["pid"] == worker.pid  # the claim the killed worker left behind

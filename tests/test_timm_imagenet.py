@@ -85,6 +85,7 @@ def test_end_to_end_learns_stages_data_and_writes_outputs(imagenet: Path, tmp_pa
     assert rerun["model_digest"] == summary["model_digest"] and rerun["resumes"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "stop_signal"), [pytest.param(1, signal.SIGTERM, id="1-SIGTERM"),
                                                     pytest.param(2, signal.SIGUSR1, id="2-SIGUSR1")])
 def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(imagenet: Path, tmp_path: Path, nproc: int,

@@ -226,7 +226,7 @@ MUTATIONS: list[Mutation] = [
         "        worker_init_fn=leave_stop_signals_to_the_rank if num_workers > 0 else None,",
         "        worker_init_fn=None,",
         ("tests/test_loaders.py::test_a_worker_outlives_stop_signals_from_others_and_ends_when_its_rank_terminates_it",
-         f"tests/test_tv_segmentation.py::{CHAIN}"),
+         f"tests/test_fungitastic.py::{CHAIN}"),
         "SIGTERM through torchrun or SLURM kills the loader workers: the rank fails (exit 1), no stop checkpoint",
     ),
     # ---- issue 24: what the second read of the GPU paths found -----------------------------------
