@@ -14,7 +14,9 @@ SOURCE ?=
 WEIGHTS ?=
 EXPERIMENT ?=
 PYTEST_ARGS ?=
-WORKERS ?= auto
+# pytest-xdist workers: one more than the cores this process may use. Part of the suite waits (on
+# SLURM, on paced runs, on torchrun's stop windows) and the extra worker keeps the cores busy then.
+WORKERS ?= $(shell $(PYTHON) -c 'import os; print(len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1)')
 RUN ?=
 WHICH ?=
 SPLIT ?=
@@ -79,7 +81,7 @@ export: $(STAMP) FORCE ## Weights as safetensors + metadata.json: RUN=<run dir> 
 lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
 	$(VENV)/bin/ruff check .
 
-test: lint ## Lint, then run the test suite on every core (CPU, offline; WORKERS=n, PYTEST_ARGS=...)
+test: lint ## Lint, then run the test suite on every core, one worker more (CPU, offline; WORKERS=n, PYTEST_ARGS=...)
 	$(PY) -m pytest -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 stress-exit: $(STAMP) ## Launch two kinds of 2-rank run TIMES times each (default 30): none may abort at exit (not in make test)

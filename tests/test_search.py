@@ -370,39 +370,30 @@ def test_a_trial_the_median_pruner_stops_checkpoints_and_is_recorded_pruned(
     assert record["best"]["trial"] == 0
 
 
-def test_a_trial_whose_run_fails_with_a_user_error_is_recorded_failed_and_the_search_goes_on(
+def test_trials_whose_runs_fail_are_recorded_failed_with_the_reason_and_the_search_goes_on(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Trial 0's run stops on a user error (its data directory does not exist); trial 1's loss turns
+    NaN at step 2 (tests/pause_hook), so its run stops with exit 3. Each trial is failed with its
+    run's line, the worker goes on to the end, and no failed trial is the best."""
     good = str(fashion_data(tmp_path_factory))
     overrides = [override for override in fashion_overrides(tmp_path_factory) if not override.startswith("data.")]
     space = f"pruner: none\nparams:\n  data.root: {{type: choice, values: [{good}, /does/not/exist]}}\n"
     space_path, study = enqueued_study(tmp_path, space, overrides, [{"data.root": "/does/not/exist"},
                                                                      {"data.root": good}])
-    result = run_worker(search_command("fashion_mnist", space_path, study, 2, overrides))
+    env = recipe_env(PYTHONPATH=f"{REPO / 'tests' / 'pause_hook'}{os.pathsep}{REPO}", NONFINITE_AT_STEP="2")
+    result = run_worker(search_command("fashion_mnist", space_path, study, 2, overrides), env)
     assert_ok(result)
     record = study_json(study)
-    failed, complete = record["trials"]
-    assert failed["state"] == "fail" and failed["reason"].startswith("data directory /does/not/exist does not exist")
-    assert failed["value"] is None and not (study / "trial_0" / "summary.json").exists()
-    assert complete["state"] == "complete" and record["best"]["trial"] == 1
+    user_error, diverged = record["trials"]
+    assert user_error["state"] == "fail"
+    assert user_error["reason"].startswith("data directory /does/not/exist does not exist")
+    assert user_error["value"] is None and not (study / "trial_0" / "summary.json").exists()
     assert re.search(r"^search: trial 0: failed: data directory /does/not/exist does not exist.*\(1 of 2 finished\)$",
                      result.stdout, re.MULTILINE), result.stdout
-
-
-def test_trials_whose_runs_diverge_are_recorded_failed_with_the_reason(
-        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Every trial's loss turns NaN at step 2 (tests/pause_hook): each run stops with exit 3, each
-    trial is failed with the run's line, and the worker goes on to the end."""
-    study = tmp_path / "study"
-    command = search_command("fashion_mnist", write_space(tmp_path, FASHION_SPACE), study, 2,
-                             fashion_overrides(tmp_path_factory))
-    env = recipe_env(PYTHONPATH=f"{REPO / 'tests' / 'pause_hook'}{os.pathsep}{REPO}", NONFINITE_AT_STEP="2")
-    result = run_worker(command, env)
-    assert_ok(result)
-    record = study_json(study)
+    assert diverged["state"] == "fail"
+    assert diverged["reason"].startswith("the run diverged: the training was not finite at step 2"), diverged
+    assert read_summary(Path(diverged["run_dir"]))["diverged"]["step"] == 2
     assert record["counts"] == {"fail": 2} and record["best"] is None
-    for trial in record["trials"]:
-        assert trial["reason"].startswith("the run diverged: the training was not finite at step 2"), trial
-        assert read_summary(Path(trial["run_dir"]))["diverged"]["step"] == 2
 
 
 def test_a_trial_whose_run_directory_another_launch_holds_is_left_to_it_not_failed(
