@@ -401,6 +401,7 @@ def judge_syncs(syncs_file: Path) -> str:
 def _sync_batchnorm_worker(rank: int, port: int, device_type: str, out: Path) -> None:
     import torch.distributed as dist
 
+    from common.pytorch.distributed import shutdown_distributed
     from recipes.tv_segmentation.sync_batchnorm import convert_sync_batchnorm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -416,7 +417,7 @@ def _sync_batchnorm_worker(rank: int, port: int, device_type: str, out: Path) ->
         torch.save({"kind": type(model[0]).__name__, "converted": converted, "grad": half.grad.cpu(),
                     "running_mean": model[0].running_mean.cpu()}, out / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()  # the group freed before the interpreter's shutdown (see its docstring)
 
 
 def check_sync_batchnorm(device: str, work: Path) -> str:
@@ -445,6 +446,7 @@ def _batchnorm_syncs_worker(rank: int, port: int) -> None:
 
     import torch.distributed as dist
 
+    from common.pytorch.distributed import shutdown_distributed
     from recipes.tv_segmentation.sync_batchnorm import convert_sync_batchnorm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -465,7 +467,7 @@ def _batchnorm_syncs_worker(rank: int, port: int) -> None:
             finally:
                 torch.cuda.set_sync_debug_mode(0)
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
 
 
 def check_batchnorm_syncs() -> str:

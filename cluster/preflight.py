@@ -155,6 +155,8 @@ def allreduce(backend: str, timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
 
+    from common.pytorch.distributed import shutdown_distributed
+
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -173,7 +175,7 @@ def allreduce(backend: str, timeout_s: float) -> None:
             print(f"preflight: all-reduce ({backend}) across {world} ranks: ok "
                   f"({time.monotonic() - start:.1f} s with set-up)", flush=True)
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()  # freed before the interpreter's shutdown, as a recipe's group is
 
 
 def _run_node_checks(args: argparse.Namespace) -> None:
