@@ -28,7 +28,10 @@ def configure_determinism(deterministic: bool, device_preference: str) -> None:
     fast_cuda = not deterministic and wants_cuda(device_preference)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(deterministic)
+    if torch.are_deterministic_algorithms_enabled() != deterministic:
+        # Only when it changes: the setter imports Inductor for its own flag (over a second), which a
+        # run that stops on a bad input before its first optimizer step would wait for in vain.
+        torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = fast_cuda
     # CUDA's matmul switch only (set_float32_matmul_precision would change CPU oneDNN matmuls too),
