@@ -147,11 +147,15 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 
 # Under pytest-xdist (make test: --dist loadgroup), each of these groups of test modules runs in one
 # worker, which builds their shared session fixtures once (each worker would build its own): the
-# local SLURM clusters (and the search's SLURM array), the trained runs, studies and gradients
-# several tests of a module read. xdist's own xdist_group markers are not used: xdist 3.8 applies
-# them by renaming item._nodeid, which pytest 9 no longer reads.
+# one-node local SLURM (with the search's SLURM array), the two-node one, the trained runs, studies
+# and gradients several tests of a module read. No group is larger than it must be: a group's tests
+# run one after another, and the suite cannot end before its largest group. xdist's own
+# xdist_group markers are not used: xdist 3.8 applies them by renaming item._nodeid, which pytest 9
+# no longer reads.
 WORKER_GROUPS = {
-    "slurm": ("test_cluster", "test_local_slurm", "test_multinode", "test_search"),
+    "slurm": ("test_cluster", "test_local_slurm", "test_search_slurm"),
+    "multinode": ("test_multinode",),
+    "search": ("test_search",),
     "trained_runs": ("test_evaluate", "test_export", "test_init_from"),
     "dinov2_fsdp": ("test_dinov2_fsdp",),
     "fungitastic": ("test_fungitastic",),

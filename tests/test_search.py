@@ -1,6 +1,7 @@
 """Hyperparameter search (tools/search, common/search_trial.py): trials are ordinary runs that
 resume, workers share a study with no batch barrier, pruning through the run contract, failures
-recorded, results that agree with the trials' own summaries, and the SLURM array.
+recorded, results that agree with the trials' own summaries (the SLURM array:
+tests/test_search_slurm.py).
 
 Every worker is a real ``python -m tools.search`` process, every trial a real run of the recipe.
 Where a test needs a trial interrupted, the trial's run pauses at a chosen checkpoint
@@ -24,7 +25,6 @@ import pytest
 
 from common.errors import EXIT_PREEMPTED
 from common.run_lock import LOCK_FILE
-from tests import slurm_cluster as sc
 from tests.conftest import REPO, assert_ok, kill_run, latest_step, read_summary, recipe_env, run_recipe
 from tests.resume import CHAIN_SETTINGS, paused_env, wait_for_pause
 from tests.trained_runs import TINY, fashion_data
@@ -559,50 +559,3 @@ def test_a_search_on_the_isc_goes_on_across_cycles_from_what_the_isc_ships(
     for number in (0, 1):  # each trial's checkpoints moved into its run directory when it ended
         assert latest_step(study / f"trial_{number}" / "checkpoints") == 16
     assert sorted(path.name for path in artifacts.iterdir() if "AtomicDirectory" in path.name) == []
-
-
-# ---- SLURM: an array of two workers, one requeued by USR1 ------------------------------------
-
-
-@pytest.mark.slurm
-def test_a_slurm_array_of_two_workers_with_one_requeued_by_usr1_finishes_the_study(
-        slurm_env: dict[str, str], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Trial 0 pauses after its step-2 checkpoint in whichever task takes it; once the other task
-    has run trials 1 and 2 and ended, USR1 to the holder's batch shell: the trial checkpoints,
-    lib.sh requeues that task alone, and the requeued task resumes trial 0."""
-    study, overrides = tmp_path / "study", fashion_overrides(tmp_path_factory, *CHAIN_SETTINGS)
-    marker = tmp_path / "paused"
-    env = {**paused_env(2, marker, PAUSE_ONLY_IN=f"{os.sep}trial_0{os.sep}"), **slurm_env, "PYTHON": sys.executable}
-    array = sc.sbatch(REPO / "cluster" / "slurm" / "search.sbatch",
-                      args=["--array=0-1", "--gpus-per-node=0", "--cpus-per-task=1", "--time=10",
-                            f"--output={tmp_path}/task-%a.out"], env=env, cwd=REPO,
-                      script_args=["fashion_mnist", "--space", str(write_space(tmp_path, FASHION_SPACE)),
-                                   "--trials", "3", "--study", str(study), "--", *overrides])
-    try:
-        deadline = time.monotonic() + DEADLINE_S
-        while not marker.exists():
-            assert time.monotonic() < deadline, "trial 0 did not reach its step-2 checkpoint"
-            time.sleep(0.2)
-        holder = claim_holder(study, 0)["slurm_job"]
-        task = int(holder.split("_")[1])
-        assert holder == f"{array}_{task}"
-        other = f"{array}_{1 - task}"
-        assert sc.wait_for_job(other, timeout_s=DEADLINE_S, env=slurm_env) == "COMPLETED"
-        assert sc.job_state(holder, slurm_env) == "RUNNING"
-
-        sc.signal_batch(holder, "USR1", env=slurm_env)
-        assert sc.wait_for_job(holder, timeout_s=DEADLINE_S, env=slurm_env) == "COMPLETED"
-    finally:
-        sc.cancel(array, env=slurm_env)
-    logs = {name: (tmp_path / f"task-{name}.out").read_text() for name in (task, 1 - task)}
-    assert sc.job_restart_count(holder, env=slurm_env) == 1 and sc.job_restart_count(other, env=slurm_env) == 0
-    held = logs[task]
-    first, stop = held.index("start (restart 0)"), held.index(f"requeueing {holder}")
-    second, resume = held.index("start (restart 1)"), held.index("search: trial 0: resuming")
-    assert first < stop < second < resume, held
-    assert "received SIGUSR1: checkpoint saved at step 3" in held
-    assert sorted(started(logs[task]) + started(logs[1 - task])) == [0, 1, 2]  # no trial run twice
-    assert sorted(started(logs[1 - task])) == [1, 2]
-    assert read_summary(study / "trial_0")["resumes"] == 1
-    record = study_json(study)
-    assert record["counts"] == {"complete": 3} and len(record["trials"]) == 3
