@@ -44,6 +44,7 @@ TRAIN = [*TINY, "trainer.epochs=2", "checkpoint.every_steps=1", "checkpoint.sync
 # Submit-time options replace the file's site lines: no GPUs and one CPU per node.
 OPTIONS = ["--gpus-per-node=0", "--cpus-per-task=1"]
 SCENARIO_DEADLINE_S = 420
+PAUSE_VARIABLES = ("PYTHONPATH", "PAUSE_AT_STEP", "PAUSE_MARKER", "PAUSE_HOW")  # what a job needs of paused_env
 
 
 def job_env(cluster: sc.LocalCluster, **extra: str) -> dict[str, str]:
@@ -208,25 +209,23 @@ def test_without_namespace_capabilities_start_stops_first_with_one_line(tmp_path
 
 # ---- the SLURM scenarios, side by side -------------------------------------------------------
 
-def alone_preempted_and_single_node(cluster: sc.LocalCluster, tmp: Path, data: Path) -> dict:
-    """Two 2-node jobs with the same config, both staging their data to each node's scratch: one
-    left alone, one sent USR1 with `scancel --signal=USR1 --batch` mid-run; and the same config
-    as 2 processes on one node, without SLURM."""
+def preempted_and_single_node(cluster: sc.LocalCluster, tmp: Path, data: Path) -> dict:
+    """A 2-node job that stages its data to each node's scratch and is sent USR1 with `scancel
+    --signal=USR1 --batch` mid-run; and the same config as 2 processes on one node, without SLURM."""
     overrides = [f"data.root={data}", *TRAIN]
-    alone = submit(cluster, tmp, "alone", 2, overrides, STAGE_DATA="1")
-    # The pre-empted job waits after its step-2 checkpoint until the signal reaches it, so that a
-    # fast machine cannot finish the run first.
+    # The job waits after its step-2 checkpoint until the signal reaches it, so that a fast machine
+    # cannot finish the run first (and its staged copies are there to be seen meanwhile).
     pause = paused_env(2, tmp / "preempted.paused")
     preempted = submit(cluster, tmp, "preempted", 2, overrides, STAGE_DATA="1",
-                       **{name: pause[name] for name in ("PYTHONPATH", "PAUSE_AT_STEP", "PAUSE_MARKER", "PAUSE_HOW")})
+                       **{name: pause[name] for name in PAUSE_VARIABLES})
     single_node = start_recipe("fashion_mnist", [*overrides, f"run_dir={tmp / 'single_node'}"], nproc=2)
     copies_seen: set[str] = set()
     signalled_at = None
     deadline = time.monotonic() + SCENARIO_DEADLINE_S
-    while not all(sc.job_state(job.id, cluster.env) in sc.FINAL_STATES for job in (alone, preempted)):
-        assert time.monotonic() < deadline, f"jobs {alone.id}, {preempted.id} not done in {SCENARIO_DEADLINE_S} s"
+    while sc.job_state(preempted.id, cluster.env) not in sc.FINAL_STATES:
+        assert time.monotonic() < deadline, f"job {preempted.id} not done in {SCENARIO_DEADLINE_S} s"
         for node in cluster.nodes:
-            if any(cluster.scratch(node).glob(f"recipes-*-{alone.id}/train-images-idx3-ubyte")):
+            if any(cluster.scratch(node).glob(f"recipes-*-{preempted.id}/train-images-idx3-ubyte")):
                 copies_seen.add(node)
         if signalled_at is None and (tmp / "preempted.paused").exists():
             signalled_at = latest_step(preempted.run_dir / "checkpoints")
@@ -235,22 +234,23 @@ def alone_preempted_and_single_node(cluster: sc.LocalCluster, tmp: Path, data: P
     single_node_output = single_node.communicate(timeout=300)[0]
     assert single_node.returncode == 0, single_node_output
     return {
-        "alone": alone, "preempted": preempted, "copies_seen": copies_seen, "signalled_at": signalled_at,
+        "preempted": preempted, "copies_seen": copies_seen, "signalled_at": signalled_at,
         "single_node": read_summary(tmp / "single_node"),
-        "states": {job.id: sc.job_state(job.id, cluster.env) for job in (alone, preempted)},
-        "restarts": {job.id: sc.job_restart_count(job.id, cluster.env) for job in (alone, preempted)},
+        "state": sc.job_state(preempted.id, cluster.env), "restarts": sc.job_restart_count(preempted.id, cluster.env),
         "scratch_left": {node: sorted(p.name for p in cluster.scratch(node).iterdir()) for node in cluster.nodes},
     }
 
 
 def time_limited(cluster: sc.LocalCluster, tmp: Path, data: Path) -> dict:
-    """A 2-node job that trains far longer than the test waits, submitted with a 10-minute limit
-    and --signal=B:USR1@170. Once it trains, the limit is cut to 3 minutes, which makes the
-    warning due at once: SLURM sends USR1 to the batch shell at its next time-limit check (it
-    checks every 30 s). The job checkpoints and requeues; while it waits, the limit goes back to
-    10 minutes, so the requeued job is not signalled again; it is cancelled once it has resumed."""
+    """A 2-node job that would train far longer than the test waits, submitted with a 10-minute
+    limit and --signal=B:USR1@170. Once it has checkpointed step 1 (where it waits for the signal,
+    rather than keep two CPUs busy), the limit is cut to 3 minutes, which makes the warning due at
+    once: SLURM sends USR1 to the batch shell at its next time-limit check (it checks every 30 s).
+    The job checkpoints and requeues; while it waits, the limit goes back to 10 minutes, so the
+    requeued job is not signalled again; it is cancelled once it has resumed."""
+    pause = paused_env(1, tmp / "time_limit.paused")
     job = submit(cluster, tmp, "time_limit", 2, [f"data.root={data}", *TRAIN, "trainer.epochs=1000"],
-                 options=("--time=10", "--signal=B:USR1@170"))
+                 options=("--time=10", "--signal=B:USR1@170"), **{name: pause[name] for name in PAUSE_VARIABLES})
     checkpoints = job.run_dir / "checkpoints"
     try:
         wait_until(lambda: latest_step(checkpoints) >= 1, "a checkpoint", job, cluster.env)
@@ -301,7 +301,7 @@ def scenarios(multinode_slurm: sc.LocalCluster, tmp_path_factory: pytest.TempPat
     """Every scenario's record, or the exception that ended it (raised again by its tests)."""
     tmp = tmp_path_factory.mktemp("multinode")
     data = write_fashion_mnist(tmp / "data", n_train=SAMPLES)
-    runs = {"preemption": alone_preempted_and_single_node, "time_limit": time_limited,
+    runs = {"preemption": preempted_and_single_node, "time_limit": time_limited,
             "resize": resized_and_node_killed}
     with ThreadPoolExecutor(len(runs)) as pool:
         futures = {name: pool.submit(run, multinode_slurm, tmp, data) for name, run in runs.items()}
@@ -314,41 +314,45 @@ def record(scenarios: dict, name: str) -> dict:
     return scenarios[name]
 
 
-def test_two_node_job_matches_a_two_process_single_node_run(scenarios: dict, multinode_slurm: sc.LocalCluster):
+def test_two_node_job_meets_at_the_first_node_and_ends_like_a_two_process_single_node_run(
+        scenarios: dict, multinode_slurm: sc.LocalCluster):
+    """The pre-empted and requeued 2-node job's model is the 2-process single-node run's: the nodes'
+    rendezvous, the staging and the requeue change nothing the training computes."""
     run = record(scenarios, "preemption")
-    alone = run["alone"]
-    output = alone.output()
-    assert run["states"][alone.id] == "COMPLETED" and run["restarts"][alone.id] == 0, output
+    preempted = run["preempted"]
+    output = preempted.output()
+    assert run["state"] == "COMPLETED", output
     head_addr = sc.node_addr("node0", multinode_slurm.env)
     assert re.search(rf"rendezvous at node0 \({re.escape(head_addr)}:\d+\)", output), output
-    summary = read_summary(alone.run_dir)
-    assert summary["world_size"] == 2 and summary["steps"] == 64 and summary["resumes"] == 0
+    summary = read_summary(preempted.run_dir)
+    assert summary["world_size"] == 2 and summary["steps"] == 64
+    assert run["single_node"]["world_size"] == 2 and run["single_node"]["resumes"] == 0
     assert summary["model_digest"] == run["single_node"]["model_digest"]
 
 
 def test_staged_data_is_on_each_nodes_own_disk_and_removed_on_exit_and_requeue(scenarios: dict):
     run = record(scenarios, "preemption")
     assert run["copies_seen"] == {"node0", "node1"}  # each node's own scratch folder held a copy
-    alone, preempted = run["alone"].output(), run["preempted"].output()
+    preempted = run["preempted"].output()
+    requeued = preempted.index("requeueing")
+    before_requeue, after_requeue = preempted[:requeued], preempted[preempted.index("start (restart 1)"):]
     for node in ("node0", "node1"):
-        assert re.search(rf"^staged \S+ on {node}$", alone, re.MULTILINE), alone
-        assert re.search(rf"^removed \S+ on {node}$", alone, re.MULTILINE), alone
-        # Removed on every node before the requeue, staged again by the requeued job.
-        before_requeue = preempted[:preempted.index("requeueing")]
-        after_requeue = preempted[preempted.index("start (restart 1)"):]
+        # Staged by the first segment, removed on every node before the requeue, staged again by the
+        # requeued job and removed when it ends.
+        assert re.search(rf"^staged \S+ on {node}$", before_requeue, re.MULTILINE), preempted
         assert re.search(rf"^removed \S+ on {node}$", before_requeue, re.MULTILINE), preempted
-        assert re.search(rf"^staged \S+ on {node}$", preempted[preempted.index("requeueing"):], re.MULTILINE)
+        assert re.search(rf"^staged \S+ on {node}$", preempted[requeued:], re.MULTILINE), preempted
         assert re.search(rf"^removed \S+ on {node}$", after_requeue, re.MULTILINE), preempted
     # torchrun leaves its own empty torchelastic_* folders in TMPDIR; the staged data is gone.
     assert {node: [name for name in names if name.startswith("recipes-")]
             for node, names in run["scratch_left"].items()} == {"node0": [], "node1": []}
 
 
-def test_usr1_reaches_every_rank_on_every_node_and_the_requeued_job_ends_like_the_one_left_alone(scenarios: dict):
+def test_usr1_reaches_every_rank_on_every_node_and_the_job_requeues_and_resumes_there(scenarios: dict):
     run = record(scenarios, "preemption")
     preempted = run["preempted"]
     output = preempted.output()
-    assert run["states"][preempted.id] == "COMPLETED" and run["restarts"][preempted.id] == 1, output
+    assert run["state"] == "COMPLETED" and run["restarts"] == 1, output
     first_segment = output[:output.index("start (restart 1)")]
     stops = stops_at(first_segment)
     assert stops.keys() == {"0", "1"} and len(set(stops.values())) == 1, first_segment  # one checkpoint, together
@@ -357,7 +361,6 @@ def test_usr1_reaches_every_rank_on_every_node_and_the_requeued_job_ends_like_th
     assert re.search(rf"resumed from \S+ \(step {step}, ", output[output.index("start (restart 1)"):]), output
     summary = read_summary(preempted.run_dir)
     assert summary["resumes"] == 1 and summary["steps"] == 64 and summary["world_size"] == 2
-    assert summary["model_digest"] == read_summary(run["alone"].run_dir)["model_digest"]
 
 
 def test_time_limit_signal_reaches_every_rank_on_every_node_and_the_job_requeues_and_resumes(scenarios: dict):
@@ -402,10 +405,11 @@ def test_node_failure_leaves_no_half_checkpoint_and_a_one_node_job_finishes_the_
 def test_srun_without_torchrun_meets_at_the_first_nodes_address(multinode_slurm: sc.LocalCluster):
     """common.pytorch.distributed under plain `srun` (no torchrun): rank 0 is on the first node, and every
     rank reaches it at that node's NodeAddr."""
-    code = ("import os, torch, torch.distributed as dist; from common.pytorch.distributed import init_distributed; "
+    code = ("import os, torch, torch.distributed as dist; "
+            "from common.pytorch.distributed import init_distributed, shutdown_distributed; "
             "info = init_distributed('cpu'); total = torch.tensor([info.rank + 1]); dist.all_reduce(total); "
             "print(os.environ['SLURMD_NODENAME'], info.launcher, info.rank, info.world_size, "
-            "os.environ['MASTER_ADDR'], total.item()); dist.destroy_process_group()")
+            "os.environ['MASTER_ADDR'], total.item()); shutdown_distributed()")
     result = subprocess.run(["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", sys.executable, "-c", code],
                             env=sc.slurm_env(recipe_env(**multinode_slurm.env)), cwd=REPO, capture_output=True,
                             text=True, timeout=180)
