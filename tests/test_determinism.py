@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +55,14 @@ def test_both_tf32_apis_read_the_setting(monkeypatch: pytest.MonkeyPatch, restor
     assert torch.get_float32_matmul_precision() == ("high" if tf32 else "highest")
     assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
     assert torch.backends.mkldnn.matmul.fp32_precision == cpu_precision
+
+
+def test_a_flag_already_right_leaves_inductor_unimported() -> None:
+    """torch.use_deterministic_algorithms imports Inductor (over a second of CPU): a process whose
+    flag is already right skips it, so a run that stops on a bad input says so sooner."""
+    code = ("import sys; from common.pytorch.determinism import configure_determinism; "
+            "configure_determinism(False, 'cpu'); print('torch._inductor' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

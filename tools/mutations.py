@@ -135,8 +135,7 @@ MUTATIONS: list[Mutation] = [
         "manifest-digests-not-checked", "common/checkpoint.py",
         'if digests and _file_digest(file) != expected["sha256"]:', "if False:",
         ("tests/test_checkpoint.py::test_a_damaged_latest_falls_back_to_the_previous_one[flip]",
-         "tests/test_dinov2_fsdp.py::test_a_damaged_sharded_checkpoint_falls_back_to_the_previous_one"
-         "[flip_a_shard_byte]"),
+         "tests/test_dinov2_fsdp.py::test_damaged_sharded_checkpoints_fall_back_to_the_newest_intact_one"),
         "a corrupted checkpoint is loaded instead of falling back to the previous one",
     ),
     Mutation(
@@ -248,6 +247,13 @@ MUTATIONS: list[Mutation] = [
         '    torch.backends.cuda.matmul.fp32_precision = "tf32" if fast_cuda else "ieee"',
         ("tests/test_determinism.py::test_both_tf32_apis_read_the_setting",),
         "Inductor's autotuning (any reader of allow_tf32) raises 'mix of the legacy and new APIs'",
+    ),
+    Mutation(
+        "deterministic-flag-set-when-unchanged", "common/pytorch/determinism.py",
+        "    if torch.are_deterministic_algorithms_enabled() != deterministic:\n",
+        "    if True:\n",
+        ("tests/test_determinism.py::test_a_flag_already_right_leaves_inductor_unimported",),
+        "every run, a bad input's included, waits over a second for Inductor before its first step",
     ),
     Mutation(
         "position-table-interpolated-in-every-forward", "recipes/dinov2_fsdp/model.py",
