@@ -230,29 +230,28 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_rank(
     assert all(int(state["step"]) == resume_at + 1 - PROBE_STEPS for state in next_step.values())
 
 
-@pytest.mark.parametrize("damage", ["flip_a_shard_byte", "drop_the_shard_metadata"])
-def test_a_damaged_sharded_checkpoint_falls_back_to_the_previous_one(
-    reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path, damage: str
+def test_damaged_sharded_checkpoints_fall_back_to_the_newest_intact_one(
+    reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path
 ) -> None:
-    """The newest checkpoint's DCP files are damaged: the run says so and resumes from the one
-    before (on one rank here, resharding it), never from the damaged shards."""
-    run_dir = tmp_path / "run"
-    copy_checkpoints_up_to(reference, run_dir, PROBE_STEPS + 2)
-    sharded = checkpoint_dir(run_dir, PROBE_STEPS + 2) / "sharded"
-    if damage == "flip_a_shard_byte":
-        shard = max(sharded.glob("*.distcp"), key=lambda path: path.stat().st_size)
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        shard.write_bytes(bytes(data))
-        why = f"sharded/{shard.name} does not match its sha256"
-    else:
-        (sharded / ".metadata").unlink()
-        why = "sharded/.metadata is missing"
-    result = run_recipe(RECIPE, overrides(cifar_root, pretrained_dir, run_dir, f"trainer.max_steps={PROBE_STEPS + 2}"))
+    """The two newest checkpoints' DCP files are damaged, each its own way (a byte of a shard
+    flipped; the shards' metadata gone): the run names each and resumes from the one before them
+    (on one rank here, resharding it), never from damaged shards."""
+    run_dir, newest = tmp_path / "run", PROBE_STEPS + 3
+    copy_checkpoints_up_to(reference, run_dir, newest)
+    flipped = checkpoint_dir(run_dir, newest) / "sharded"
+    shard = max(flipped.glob("*.distcp"), key=lambda path: path.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    dropped = checkpoint_dir(run_dir, newest - 1) / "sharded"
+    (dropped / ".metadata").unlink()
+    result = run_recipe(RECIPE, overrides(cifar_root, pretrained_dir, run_dir, f"trainer.max_steps={newest}"))
     assert_ok(result)
-    assert f"{sharded.parent} is damaged ({why}); trying the previous one" in result.stderr
-    assert f"(step {PROBE_STEPS + 1}, epoch 1, stage finetune)" in result.stdout
-    assert read_summary(run_dir)["steps"] == PROBE_STEPS + 2
+    assert (f"{flipped.parent} is damaged (sharded/{shard.name} does not match its sha256); trying the previous one"
+            in result.stderr), result.stderr
+    assert f"{dropped.parent} is damaged (sharded/.metadata is missing); trying the previous one" in result.stderr
+    assert f"(step {newest - 2}, epoch 1, stage finetune)" in result.stdout
+    assert read_summary(run_dir)["steps"] == newest
 
 
 def test_missing_data_is_a_one_line_error_with_exit_2(pretrained_dir: Path, tmp_path: Path) -> None:
@@ -425,7 +424,11 @@ def _init_mp_dtypes_before_torch_2_14(self) -> None:  # noqa: ANN001
     self._reduce_dtype = trainable[0].reduce_dtype if trainable else None
 
 
-def _stage_switch_worker(rank: int, probe_forward_first: bool, results: Path) -> None:
+STAGE_SWITCHES = {"after-probe-steps": True, "resumed-at-the-switch": False}  # name: a probe step ran first
+
+
+def _stage_switch_worker(rank: int, results: Path) -> None:
+    """Both switches of :data:`STAGE_SWITCHES`, each on a model of its own, in this pair of ranks."""
     import torch.nn.functional as F
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from transformers import Dinov2Model
@@ -433,32 +436,33 @@ def _stage_switch_worker(rank: int, probe_forward_first: bool, results: Path) ->
     from recipes.dinov2_fsdp.model import DinoClassifier, refresh_mixed_precision, shard_with_fsdp
 
     FSDPParamGroup._init_mp_dtypes = _init_mp_dtypes_before_torch_2_14
-    torch.manual_seed(0)
-    model = DinoClassifier(Dinov2Model(tiny_dinov2_config()), "transformers", "cls")
-    shard_with_fsdp(model, "bf16", reshard_after_forward=True, cpu_offload=False)
-    images, labels = torch.randn(4, 3, 28, 28), torch.randint(0, 100, (4,))
-    model.set_backbone_trainable(False)
-    if probe_forward_first:  # a probe step: FSDP sets its dtypes up with the backbone frozen
+    for name, probe_forward_first in STAGE_SWITCHES.items():
+        torch.manual_seed(0)
+        model = DinoClassifier(Dinov2Model(tiny_dinov2_config()), "transformers", "cls")
+        shard_with_fsdp(model, "bf16", reshard_after_forward=True, cpu_offload=False)
+        images, labels = torch.randn(4, 3, 28, 28), torch.randint(0, 100, (4,))
+        model.set_backbone_trainable(False)
+        if probe_forward_first:  # a probe step: FSDP sets its dtypes up with the backbone frozen
+            F.cross_entropy(model(images).float(), labels).backward()
+        model.set_backbone_trainable(True)
+        refresh_mixed_precision(model)
         F.cross_entropy(model(images).float(), labels).backward()
-    model.set_backbone_trainable(True)
-    refresh_mixed_precision(model)
-    F.cross_entropy(model(images).float(), labels).backward()
-    grads = {name: param.grad.dtype for name, param in model.named_parameters() if param.grad is not None}
-    (results / f"rank{rank}.txt").write_text(f"{len(grads)} {sorted(set(map(str, grads.values())))}")
+        grads = {key: param.grad.dtype for key, param in model.named_parameters() if param.grad is not None}
+        (results / f"{name}-rank{rank}.txt").write_text(f"{len(grads)} {sorted(set(map(str, grads.values())))}")
 
 
-@pytest.mark.parametrize("probe_forward_first", [True, False], ids=["after-probe-steps", "resumed-at-the-switch"])
-def test_finetune_after_the_probe_does_not_depend_on_fsdp_dtype_fallbacks(tmp_path: Path,
-                                                                          probe_forward_first: bool) -> None:
-    """With bf16 FSDP2 units first run while frozen, the fine-tune backward still gives every
-    parameter an fp32 gradient under torch releases without 2.14's dtype fallback (emulated)."""
+def test_finetune_after_the_probe_does_not_depend_on_fsdp_dtype_fallbacks(tmp_path: Path) -> None:
+    """With bf16 FSDP2 units first run while frozen (after probe steps, or at once when resumed at
+    the switch), the fine-tune backward still gives every parameter an fp32 gradient under torch
+    releases without 2.14's dtype fallback (emulated)."""
     from transformers import Dinov2Model
 
     from recipes.dinov2_fsdp.model import NEVER_TRAINED, DinoClassifier
     from tests.conftest import spawn_ranks
 
-    spawn_ranks(_stage_switch_worker, probe_forward_first, tmp_path)
+    spawn_ranks(_stage_switch_worker, tmp_path)
     model = DinoClassifier(Dinov2Model(tiny_dinov2_config()), "transformers", "cls")
     trainable = sum(1 for name, _ in model.named_parameters() if name not in NEVER_TRAINED)
-    for rank in range(2):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == f"{trainable} ['torch.float32']"
+    for name in STAGE_SWITCHES:
+        for rank in range(2):
+            assert (tmp_path / f"{name}-rank{rank}.txt").read_text() == f"{trainable} ['torch.float32']", name
