@@ -13,11 +13,10 @@ for top-1 accuracy.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
-
-from omegaconf import OmegaConf
 
 
 class Precision(str, Enum):
@@ -171,9 +170,19 @@ class RunConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
-def plain_config(cfg: Any) -> dict[str, Any]:
-    """A config (a schema's dataclass, or a node of one) as plain data, enums as their values."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+def plain_config(cfg: Any) -> Any:
+    """A config (a schema's dataclass, or a node of one) as plain data, enums by name: what
+    ``OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)`` gives, without
+    validating the schema again (10 ms a call, a few calls a process)."""
+    if dataclasses.is_dataclass(cfg):
+        return {item.name: plain_config(getattr(cfg, item.name)) for item in dataclasses.fields(cfg)}
+    if isinstance(cfg, Enum):
+        return cfg.name
+    if isinstance(cfg, list | tuple):
+        return [plain_config(item) for item in cfg]
+    if isinstance(cfg, dict):
+        return {key: plain_config(item) for key, item in cfg.items()}
+    return cfg
 
 
 def config_record(cfg: RunConfig) -> dict[str, Any]:

@@ -20,6 +20,7 @@ one probe with all of them changed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 import types
@@ -32,7 +33,10 @@ from typing import Any
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from common.config import plain_config
+from common.entry import compose_config, typed_config
 from common.pytorch.distributed import DistInfo
 from common.recipes import load_recipe
 from tests import trained_runs
@@ -484,6 +488,16 @@ def test_every_schema_key_has_a_check_or_a_reason_it_has_no_effect_on_a_cpu() ->
                            f"reason there is none to NO_EFFECT_ON_A_CPU)")
     untried = [recipe for recipe in RECIPES if recipe not in trained_runs.TINY]
     assert not untried, f"no tiny settings to check {untried} with: add them to TINY in tests/trained_runs.py"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_config_as_plain_data_is_what_omegaconf_makes_of_it(recipe: str) -> None:
+    """``plain_config`` (what ``.hydra/config.yaml``, the manifests and the loggers record) walks the
+    dataclasses itself; OmegaConf's conversion is the reference, key order and enum names included."""
+    cfg = typed_config(compose_config(recipe, ["trainer.precision=bf16", "trainer.lr_scaling=sqrt"]))
+    expected = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    assert plain_config(cfg) == expected
+    assert json.dumps(plain_config(cfg)) == json.dumps(expected)  # the same order at every level
 
 
 def test_the_registry_names_only_keys_that_exist_and_observables_it_knows() -> None:
