@@ -133,10 +133,12 @@ def test_cfg_job_prints_the_resolved_config(tmp_path: Path) -> None:
     assert "${" not in result.stdout
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_runs_and_resumes(fashion_data: Path, tmp_path: Path, precision: str) -> None:
+def test_fp16_with_its_grad_scaler_runs_and_resumes(fashion_data: Path, tmp_path: Path) -> None:
+    """fp16 autocast, its grad scaler's state carried across a resume. (bf16: every recipe's run,
+    SIGTERM and resume to the same digest in make gpu-check's sequence, which tests/test_gpu_check.py
+    runs on the CPU.)"""
     run_dir = tmp_path / "run"
-    settings = [f"trainer.precision={precision}", "trainer.epochs=1", "checkpoint.every_steps=2"]
+    settings = ["trainer.precision=fp16", "trainer.epochs=1", "checkpoint.every_steps=2"]
     assert_ok(run_recipe(RECIPE, overrides(fashion_data, run_dir, *settings, "trainer.max_steps=4")))
     result = run_recipe(RECIPE, overrides(fashion_data, run_dir, *settings, "trainer.max_steps=8"))
     assert_ok(result)

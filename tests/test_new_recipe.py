@@ -58,8 +58,7 @@ def test_new_recipe_round_trip(tmp_path: Path) -> None:
     already_run = [f"--deselect=tests/test_demo_copy.py::{name}" for name in (
         "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact",
         "test_a_finished_run_extended_on_another_number_of_ranks_continues",
-        "test_mixed_precision_runs_and_resumes[bf16]",
-        "test_mixed_precision_runs_and_resumes[fp16]",
+        "test_fp16_with_its_grad_scaler_runs_and_resumes",
         "test_user_errors_are_one_line_and_exit_2[trainer.nonsense=1",  # Hydra's errors: only data.root's is the copy's
         "test_user_errors_are_one_line_and_exit_2[trainer.epochs=many",
         "test_user_errors_are_one_line_and_exit_2[trainer.precision=fp8",
