@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.results import Result
-from common.entry import compose_config
+from common.entry import compose_config, typed_config
 from common.pytorch.determinism import configure_determinism
 from common.pytorch.distributed import init_distributed
 from common.pytorch.precision import autocast
@@ -103,10 +103,10 @@ def synthetic_images_per_second(model: torch.nn.Module, image_size: int, batch_s
 
 def recipe_train_seconds(data_root: Path, run_dir: Path, steps: int, overrides: list[str]) -> float:
     """The recipe's own training wall time (``summary.json``'s ``wall_time_s``) for ``steps`` steps."""
-    cfg = compose_config("cifar100_resnet50", [
+    cfg = typed_config(compose_config("cifar100_resnet50", [
         f"data.root={data_root}", f"run_dir={run_dir}", f"trainer.max_steps={steps}",
         "logging.backend=none", "logging.progress_bar=false", "checkpoint.every_seconds=0", *overrides,
-    ])
+    ]))
     configure_determinism(cfg.trainer.deterministic, cfg.device)
     train_recipe(cfg, init_distributed(cfg.device))
     return json.loads((run_dir / "summary.json").read_text())["wall_time_s"]

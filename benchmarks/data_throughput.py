@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 from benchmarks.results import Result
 from common.data.image_batches import Normalize, random_crop_and_flip
 from common.data.loaders import PerSampleSeeded
-from common.entry import compose_config
+from common.entry import compose_config, typed_config
 from common.pytorch.rng import seeded_generator
 from recipes.tv_segmentation.coco import voc_palette
 from tools.tiny_data import photo, write_cifar100_tarball, write_fashion_mnist
@@ -87,7 +87,8 @@ def fashion_mnist(workdir: Path) -> Pipeline:
     from recipes.fashion_mnist.data import BLACK, load_split, normalize
     from recipes.fashion_mnist.model import build_model
 
-    cfg = compose_config("fashion_mnist", [f"data.root={write_fashion_mnist(workdir / 'fm', n_train=4096, n_test=16)}"])
+    data = write_fashion_mnist(workdir / "fm", n_train=4096, n_test=16)
+    cfg = typed_config(compose_config("fashion_mnist", [f"data.root={data}"]))
     images, _ = load_split(cfg.data.root, "train")
     size = cfg.trainer.batch_size
 
@@ -109,7 +110,7 @@ def cifar100_resnet50(workdir: Path) -> Pipeline:
     root = workdir / "cifar100"
     with tarfile.open(write_cifar100_tarball(workdir / "cifar100.tar.gz", n_train=1024, n_test=16)) as tar:
         tar.extractall(root, filter="data")
-    cfg = compose_config("cifar100_resnet50", [f"data.root={root}"])
+    cfg = typed_config(compose_config("cifar100_resnet50", [f"data.root={root}"]))
     train = load_split(root, "train")
     images, labels = train.images, train.labels
     augmentation = BatchAugmentation(cfg.data, cfg.mixup, cfg.optim.label_smoothing,
@@ -127,7 +128,7 @@ def dinov2_fsdp(workdir: Path) -> Pipeline:
     from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
     from recipes.dinov2_fsdp.model import build_model
 
-    cfg = compose_config("dinov2_fsdp", ["model.pretrained=false"])
+    cfg = typed_config(compose_config("dinov2_fsdp", ["model.pretrained=false"]))
     images = torch.randint(0, 256, (1024, 3, 32, 32), dtype=torch.uint8)  # CIFAR-100 as the recipe holds it
     normalize = Normalize(MEAN, STD, images.device, input_max=1)
     size = cfg.trainer.batch_size
@@ -155,7 +156,7 @@ def timm_imagenet(workdir: Path) -> Pipeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         photo(500, 375, rng).save(path, quality=90)
         paths.append(str(path))
-    cfg = compose_config("timm_imagenet", [f"data.root={workdir / 'imagenet'}"])
+    cfg = typed_config(compose_config("timm_imagenet", [f"data.root={workdir / 'imagenet'}"]))
     model = timm.create_model(cfg.model.name, pretrained=False)
     data_config = resolve(model, cfg.data.train_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
     dataset = TrainImages(paths, [0] * len(paths), train_augmentation(cfg.data, data_config), cfg.data.decode)
@@ -181,7 +182,7 @@ def tv_segmentation(workdir: Path) -> Pipeline:
         png.putpalette(voc_palette())
         png.save(mask)
         pairs.append((image, mask))
-    cfg = compose_config("tv_segmentation", [f"data.root={workdir / 'voc'}"])
+    cfg = typed_config(compose_config("tv_segmentation", [f"data.root={workdir / 'voc'}"]))
     dataset = SegmentationDataset(pairs, train_transform(cfg.data), cfg.model.num_classes, augment=True)
     model = torchvision.models.get_model(cfg.model.name, weights=None, weights_backbone=None,
                                          num_classes=cfg.model.num_classes, aux_loss=cfg.model.aux_loss)
@@ -203,7 +204,7 @@ def fungitastic(workdir: Path) -> Pipeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         photo(400, 300, rng).save(path, quality=90)
         paths.append(str(path))
-    cfg = compose_config("fungitastic", [f"data.root={workdir / 'fungi'}"])
+    cfg = typed_config(compose_config("fungitastic", [f"data.root={workdir / 'fungi'}"]))
     labels = torch.zeros(len(paths), len(cfg.data.levels), dtype=torch.int64)
     dataset = TrainImages(paths, labels, train_augmentation(cfg.data), cfg.data.decode, cfg.data.draft_decode)
     model = timm.create_model(cfg.model.name, pretrained=False)

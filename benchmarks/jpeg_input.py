@@ -36,7 +36,7 @@ from benchmarks.results import Result
 from common.config import Decode
 from common.data.images import TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded
-from common.entry import compose_config
+from common.entry import compose_config, typed_config
 from recipes.tv_segmentation.coco import voc_palette
 from tools.tiny_data import photo
 
@@ -116,7 +116,7 @@ def timm_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callable]]:
 
     from recipes.timm_imagenet.data import resolve, train_augmentation
 
-    cfg = compose_config("timm_imagenet", ["data.root=unused"])
+    cfg = typed_config(compose_config("timm_imagenet", ["data.root=unused"]))
     with torch.device("meta"):
         import timm
 
@@ -138,7 +138,7 @@ def timm_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callable]]:
 def fungitastic_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callable]]:
     from recipes.fungitastic.data import train_augmentation
 
-    cfg = compose_config("fungitastic", ["data.root=unused"])
+    cfg = typed_config(compose_config("fungitastic", ["data.root=unused"]))
     size = cfg.data.image_size
     before = v2.Compose([v2.RandomResizedCrop(size, scale=(cfg.data.crop_scale_min, 1.0), antialias=True),
                          v2.RandAugment(num_ops=cfg.data.randaugment_ops, magnitude=cfg.data.randaugment_magnitude)])
@@ -155,7 +155,7 @@ def fungitastic_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callabl
 def tv_segmentation_pipelines(images: list[str], masks: list[str]) -> dict[str, tuple[Dataset, Callable]]:
     from recipes.tv_segmentation.data import MEAN, STD, SegmentationDataset, pad_collate, train_transform
 
-    cfg = compose_config("tv_segmentation", ["data.root=unused"])
+    cfg = typed_config(compose_config("tv_segmentation", ["data.root=unused"]))
     uint8 = train_transform(cfg.data)
     before = A.Compose([*uint8.transforms[:-1], A.Normalize(MEAN, STD), ToTensorV2()])
     pairs = list(zip(map(Path, images), map(Path, masks)))

@@ -25,12 +25,11 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
 from benchmarks.results import Result
 from common.data.sampler import ResumableDistributedSampler
 from common.divergence import NonfiniteWatch
-from common.entry import compose_config
+from common.entry import compose_config, typed_config
 from common.loggers import RunLogger
 from common.pytorch.determinism import configure_determinism
 from common.pytorch.distributed import init_distributed
@@ -40,6 +39,7 @@ from common.pytorch.rng import seeded_generator
 from common.run import CheckpointCadence, Decision, StopSignals
 from common.telemetry import StepTelemetry
 from recipes.fashion_mnist import train as recipe
+from recipes.fashion_mnist.config import FashionMNISTConfig
 from recipes.fashion_mnist.data import load_split, normalize
 from recipes.fashion_mnist.model import build_model
 from tools.tiny_data import write_fashion_mnist
@@ -57,7 +57,7 @@ def synchronize(device: torch.device) -> None:
 class BareLoop:
     """What a researcher would write by hand: index, normalise, forward, backward, step."""
 
-    def __init__(self, cfg: DictConfig, device: torch.device) -> None:
+    def __init__(self, cfg: FashionMNISTConfig, device: torch.device) -> None:
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model).to(device).to(memory_format=torch.channels_last)
         self.optimizer = torch.optim.AdamW(weight_decay_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr)
@@ -106,12 +106,12 @@ def measure(device_name: str, pairs: int, batch_size: int, workdir: Path) -> dic
     """Milliseconds per step of interleaved recipe and bare segments, by wall clock and CPU time."""
     steps = WARMUP_STEPS + pairs * SEGMENT + 1
     data = write_fashion_mnist(workdir / "data", n_train=(steps + 2) * batch_size, n_test=batch_size)
-    cfg = compose_config("fashion_mnist", [
+    cfg = typed_config(compose_config("fashion_mnist", [
         f"data.root={data}", f"run_dir={workdir / 'run'}", f"device={device_name}", "trainer.epochs=1",
         f"trainer.batch_size={batch_size}",
         f"trainer.max_steps={steps}", f"trainer.log_every_steps={SEGMENT}", "checkpoint.every_steps=0",
         "checkpoint.every_seconds=1e9",
-    ])
+    ]))
     configure_determinism(cfg.trainer.deterministic, cfg.device)  # as the recipe's main does
     dist_info = init_distributed(cfg.device)
     bare = BareLoop(cfg, dist_info.device)
