@@ -88,6 +88,12 @@ RECIPES = ("fashion_mnist", "cifar100_resnet50", "timm_imagenet", "tv_segmentati
 COMPILED = ("cifar100_resnet50", "dinov2_fsdp")  # the two ways the recipes compile (compile_static: see above)
 SYNC_WARNING = "called a synchronizing CUDA operation"
 OUTSIDE_TRAIN_PY = "outside train.py"
+# nvjpeg's images against OpenCV's (libjpeg-turbo) decode: mean absolute difference, in grey levels.
+# Their IDCT and chroma upsampling differ; on the noisy synthetic photos here by up to about 2.1
+# levels on average (H200, torch 2.11). Corruption is judged against nvjpeg's own images instead.
+NVJPEG_VS_CPU = 4
+SITE_ORIGIN = " at "  # in a sync site: the train.py lines, then the file and line that synced
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 @dataclass
@@ -329,18 +335,34 @@ def step_lines(train_py: Path) -> tuple[set[int], set[int]]:
 def sync_site(stack: traceback.StackSummary | list[traceback.FrameSummary], train_py: str) -> str:
     """Where a sync comes from in ``train_py``: the line of each of its frames on the stack,
     innermost first (``"212,87"``: line 212 of a helper, called from line 87), or
-    ``"outside train.py"``."""
+    ``"outside train.py"``; then, where the innermost frame outside torch, ``warnings`` and this
+    tracer is in another file, ``" at <file>:<line>"`` (the call that synced, e.g. in ``common/`` or torchvision)."""
     lines = [str(frame.lineno) for frame in reversed(stack) if frame.filename == train_py]
-    return ",".join(lines) or OUTSIDE_TRAIN_PY
+    site = ",".join(lines) or OUTSIDE_TRAIN_PY
+    origin = next((frame for frame in reversed(stack) if not frame.filename.startswith(TORCH_DIR)
+                   and frame.filename not in (__file__, warnings.__file__)), None)
+    if origin is None or origin.filename == train_py:
+        return site
+    return f"{site}{SITE_ORIGIN}{_short_path(origin.filename)}:{origin.lineno}"
+
+
+def _short_path(filename: str) -> str:
+    """A path beside torch (site-packages, which may be inside the repository: ``.venv``) or inside
+    this repository without its folders above."""
+    for root in (os.path.dirname(TORCH_DIR.rstrip(os.sep)) + os.sep, str(REPO) + os.sep):
+        if filename.startswith(root):
+            return filename[len(root):]
+    return filename
 
 
 def step_line(site: str, step: set[int]) -> int | None:
     """The frame that puts a sync inside the step: walking outward from the innermost train.py
     frame, the first whose line is in ``step`` (a helper defined in train.py and called from the
     step counts as the step); None when no frame is."""
-    if site == OUTSIDE_TRAIN_PY:
+    lines = site.split(SITE_ORIGIN)[0]
+    if lines == OUTSIDE_TRAIN_PY:
         return None
-    return next((line for line in map(int, site.split(",")) if line in step), None)
+    return next((line for line in map(int, lines.split(",")) if line in step), None)
 
 
 def trace_syncs(recipe: str, syncs_file: Path, overrides: list[str]) -> None:
@@ -387,8 +409,11 @@ def judge_syncs(syncs_file: Path) -> str:
         elif line in allowed:
             logging += count
         else:
-            innermost = site.split(",")[0]
-            in_step[f"train.py:{line}" + (f" (in train.py:{innermost})" if innermost != str(line) else "")] += count
+            lines, _, origin = site.partition(SITE_ORIGIN)
+            innermost = lines.split(",")[0]
+            within = [f"in train.py:{innermost}"] if innermost != str(line) else []
+            within += [f"at {origin}"] if origin else []
+            in_step[f"train.py:{line}" + (f" ({', '.join(within)})" if within else "")] += count
     if in_step:
         where = ", ".join(f"{site} x{count}" for site, count in sorted(in_step.items()))
         raise CheckFailed(f"host syncs inside the step at {where}")
@@ -409,11 +434,11 @@ def _sync_batchnorm_worker(rank: int, port: int, device_type: str, out: Path) ->
     try:
         device = torch.device(device_type)
         torch.manual_seed(0)
-        batch = torch.randn(8, 4, 5, 5, device=device)
+        batch, weights = torch.randn(2, 8, 4, 5, 5, device=device)
         model, converted = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(4)))
         model = model.to(device)
         half = batch[rank * 4:(rank + 1) * 4].clone().requires_grad_()
-        (model(half) * torch.arange(1.0, 5.0, device=device).view(1, 4, 1, 1)).square().sum().backward()
+        (model(half) * weights[rank * 4:(rank + 1) * 4]).square().sum().backward()
         torch.save({"kind": type(model[0]).__name__, "converted": converted, "grad": half.grad.cpu(),
                     "running_mean": model[0].running_mean.cpu()}, out / f"rank{rank}.pt")
     finally:
@@ -429,9 +454,12 @@ def check_sync_batchnorm(device: str, work: Path) -> str:
     work.mkdir(parents=True)
     mp.spawn(_sync_batchnorm_worker, args=(free_port(), device, work), nprocs=2, join=True)
     torch.manual_seed(0)
-    batch = torch.randn(8, 4, 5, 5, device=device).cpu().requires_grad_()
+    batch, weights = torch.randn(2, 8, 4, 5, 5, device=device).cpu()
+    batch.requires_grad_()
     reference = torch.nn.BatchNorm2d(4)
-    (reference(batch) * torch.arange(1.0, 5.0).view(1, 4, 1, 1)).square().sum().backward()
+    # Weights per element: with one per channel, the normalised outputs' squares would sum to a
+    # constant and every gradient would be rounding noise (about 1e-3), which no tolerance judges.
+    (reference(batch) * weights).square().sum().backward()
     ranks = [torch.load(work / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
     grad = torch.cat([saved["grad"] for saved in ranks])
     if not torch.allclose(grad, batch.grad, rtol=1e-4, atol=1e-5):
@@ -505,7 +533,7 @@ def check_nvjpeg(work: Path) -> str:
     on_gpu, on_cpu = pixels(Decode.gpu, torch.device("cuda")), pixels(Decode.cpu, torch.device("cpu"))
     differences = {name: float((g - c).abs().mean()) for name, g, c in zip(names, on_gpu, on_cpu)}
     worst = max(differences, key=differences.get)
-    if differences[worst] >= 4:
+    if differences[worst] >= NVJPEG_VS_CPU:
         raise CheckFailed(f"{worst}: nvjpeg's crop differs from the CPU path's by {differences[worst]:.1f} grey levels")
     return f"{len(names)} images, largest mean difference {differences[worst]:.2f} grey levels ({worst})"
 
@@ -514,7 +542,7 @@ def check_decode_under_load(work: Path, figures: list[Result]) -> str:
     """``data.decode=gpu`` while the training stream is busy: nvjpeg decodes while a long matrix
     product whose operands were just freed is still queued, as in a training step
     (pytorch/vision#9606 saw 199 of 200 such decodes corrupt on an H100). The images must equal
-    nvjpeg's on an idle GPU (and the CPU decode to a grey level or two), and the product its value
+    nvjpeg's on an idle GPU exactly (and the CPU decode to ``NVJPEG_VS_CPU``), and the product its value
     on an idle GPU. Also times a decode call on the host with that work queued: the side stream
     this project uses, and a sync before the decode (the other safe way)."""
     import statistics
@@ -531,7 +559,7 @@ def check_decode_under_load(work: Path, figures: list[Result]) -> str:
     idle = [image.cpu() for image in to_model.decode_on_device(pieces)]
     worst = max(float((image.float() - torch.from_numpy(decode(read_file(path), path)).permute(2, 0, 1)).abs().mean())
                 for image, path in zip(idle, files))
-    if worst >= 2:
+    if worst >= NVJPEG_VS_CPU:
         raise CheckFailed(f"nvjpeg's images differ from the CPU decode by {worst:.1f} grey levels on average")
 
     def queued_work(seed: int) -> torch.Tensor:

@@ -34,14 +34,21 @@ class NonfiniteWatch:
         """Note ``values`` (a loss sum, a gradient norm; None: not computed) of optimizer step
         ``step``: on a GPU a few device operations and no host sync; on the CPU, where reading a
         value costs nothing, it is read."""
-        present = [value.detach() for value in values if value is not None]
+        present = [value.detach() for value in _tensors(values)]  # a DTensor (FSDP2's norm): its replicated value
         if not present:
             return
         if self.device.type != "cuda":
             if self._known == NONE and not all(_finite_on_host(value) for value in present):
                 self._known = step
             return
-        bad = ~torch.stack([torch.isfinite(value).all() for value in present]).all()
+        # A value on the CPU (the gradient norm under FSDP2's CPU offload) is read there, where it
+        # is already computed; the others are judged on the device.
+        finite = [torch.isfinite(value).all() for value in present if value.device.type != "cpu"]
+        if not all(_finite_on_host(value) for value in present if value.device.type == "cpu"):
+            finite.append(torch.zeros((), dtype=torch.bool, device=self.device))
+        if not finite:
+            return
+        bad = ~torch.stack(finite).all()
         self._first = torch.where(bad & (self._first == NONE), step, self._first)
 
     def poll(self) -> int:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
 
 from benchmarks import gpu_check
-from benchmarks.gpu_check import COMPILED, RECIPES, CheckFailed, judge_syncs, step_lines, sync_site
+from benchmarks.gpu_check import COMPILED, RECIPES, TORCH_DIR, CheckFailed, judge_syncs, step_lines, sync_site
 from benchmarks.run import HAND_END, HAND_START
 from tests.conftest import REPO, assert_ok, recipe_env
 
@@ -99,14 +101,31 @@ def test_a_sync_in_a_helper_is_judged_by_the_frame_that_called_it_from_the_step(
         judge_syncs(syncs)
 
 
-def test_the_tracer_records_every_train_py_frame_innermost_first() -> None:
-    train_py = "/repo/recipes/r/train.py"
+def test_the_tracer_records_every_train_py_frame_innermost_first_and_the_call_that_synced() -> None:
+    train_py = str(REPO / "recipes" / "r" / "train.py")
+    frame = traceback.FrameSummary
     stack = traceback.StackSummary.from_list([
-        traceback.FrameSummary("runpy.py", 5, "_run_code"), traceback.FrameSummary(train_py, 87, "main"),
-        traceback.FrameSummary("torch/nn/module.py", 3, "__call__"), traceback.FrameSummary(train_py, 212, "helper"),
-        traceback.FrameSummary("torch/_tensor.py", 9, "item")])
+        frame("/usr/lib/python3/runpy.py", 5, "_run_code"), frame(train_py, 87, "main"),
+        frame(f"{TORCH_DIR}nn/modules/module.py", 3, "__call__"), frame(train_py, 212, "helper"),
+        frame(f"{TORCH_DIR}_tensor.py", 9, "item")])
     assert sync_site(stack, train_py) == "212,87"
-    assert sync_site(stack[:1], train_py) == "outside train.py"
+    assert sync_site(stack[:1], train_py) == "outside train.py at /usr/lib/python3/runpy.py:5"
+    library = f"{os.path.dirname(TORCH_DIR.rstrip(os.sep))}/torchvision/ops/roi_align.py"
+    deeper = [*stack[:4], frame(str(REPO / "common" / "data" / "images.py"), 431, "resized_crops"),
+              frame(library, 281, "roi_align"), frame(f"{TORCH_DIR}_dynamo/eval_frame.py", 9, "_fn"),
+              frame(warnings.__file__, 7, "_showwarnmsg")]
+    assert sync_site(deeper, train_py) == "212,87 at torchvision/ops/roi_align.py:281"
+    assert sync_site(deeper[:5], train_py) == "212,87 at common/data/images.py:431"
+
+
+def test_a_sync_in_the_step_names_the_call_that_synced(tmp_path: Path) -> None:
+    train_py = REPO / "recipes" / "fashion_mnist" / "train.py"
+    backward = next(n for n, line in enumerate(train_py.read_text().splitlines(), 1) if ".backward()" in line)
+    syncs = tmp_path / "fashion_mnist" / "syncs.json"
+    syncs.parent.mkdir()
+    syncs.write_text(json.dumps({f"{backward} at torchvision/ops/roi_align.py:281": 3}))
+    with pytest.raises(CheckFailed, match=rf"train.py:{backward} \(at torchvision/ops/roi_align.py:281\) x3"):
+        judge_syncs(syncs)
 
 
 # Makes two packages unimportable, as on a GPU machine whose Python lacks them.

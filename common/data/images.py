@@ -26,7 +26,6 @@ import torch
 import torchvision
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset, default_collate
-from torchvision.ops import roi_align
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as tvf
 
@@ -409,7 +408,13 @@ class DeviceTrainInput:
         """float ``[B, 3, S, S]``: each image's box resized with ``roi_align`` (bilinear samples,
         averaged over each output pixel's footprint when shrinking). Each image is cut to its box
         in uint8 before the float conversion, with a pixel of margin, all its bilinear samples
-        read: a whole 12-megapixel photo in float32 is 146 MB. The boxes reach the device in one copy."""
+        read: a whole 12-megapixel photo in float32 is 146 MB. The boxes reach the device in one copy.
+
+        The kernel is called directly: under ``torch.use_deterministic_algorithms`` on CUDA,
+        ``torchvision.ops.roi_align`` runs a Python version instead (for a deterministic backward,
+        which crops need not), compiled with ``torch.compile`` in the first training step and host
+        syncing, or eager with a ``[K, 3, S, S, H, W]`` intermediate. The kernel's forward is
+        deterministic."""
         regions, rois = [], []
         for image, (top, left, height, width) in zip(images, boxes.tolist()):
             first_row, first_col = max(0, math.floor(top) - 1), max(0, math.floor(left) - 1)
@@ -423,8 +428,9 @@ class DeviceTrainInput:
             rois = rois.pin_memory()
         rois = rois.to(self.device, non_blocking=True)
         size = self.augmentation.size
-        return torch.cat([roi_align(region[None].float(), rois[i : i + 1], size, spatial_scale=1.0, sampling_ratio=-1,
-                                    aligned=True) for i, region in enumerate(regions)])
+        kernel = torch.ops.torchvision.roi_align  # (input, rois, spatial scale, height, width, sampling, aligned)
+        return torch.cat([kernel(region[None].float(), rois[i : i + 1], 1.0, size, size, -1, True)
+                          for i, region in enumerate(regions)])
 
     def colour_jitter(self, images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
         """torchvision's ColorJitter on 0-255 floats, each sample with its own factors and order."""
