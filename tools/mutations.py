@@ -263,7 +263,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "sync-judged-by-its-innermost-frame", "benchmarks/gpu_check.py",
-        'map(int, site.split(","))', 'map(int, site.split(",")[:1])',
+        'map(int, lines.split(","))', 'map(int, lines.split(",")[:1])',
         ("tests/test_gpu_check.py::test_a_sync_in_a_helper_is_judged_by_the_frame_that_called_it_from_the_step",),
         "a host sync in a helper that the training step calls passes make gpu-check",
     ),
