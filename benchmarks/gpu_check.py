@@ -717,7 +717,9 @@ def record_section(results_md: Path, text: str) -> None:
     content = results_md.read_text()
     if HAND_END not in content:
         raise CheckFailed(f"{results_md} has no hand-written part (marker {HAND_END!r})")
-    results_md.write_text(content.replace(HAND_END, text.rstrip("\n") + "\n" + HAND_END, 1))
+    before = content.split(HAND_END, 1)[0]
+    gap = "" if before.endswith("\n\n") or not before else "\n"  # a heading, not a table's next row
+    results_md.write_text(content.replace(HAND_END, gap + text.rstrip("\n") + "\n" + HAND_END, 1))
 
 
 def measured(report: Report, figures: Callable[[], list[Result]]) -> str:

@@ -182,3 +182,13 @@ def test_quick_runs_every_check_and_neither_figures_nor_compilation(tmp_path: Pa
         else:
             assert figures == ["resnet50_figures", "vit_figures", "checkpoint_stall_figures", "overhead_figures"]
             assert {recipe for recipe, compiled in recipe_runs.items() if compiled} == set(COMPILED)
+
+
+def test_a_recorded_section_starts_after_a_blank_line(tmp_path: Path) -> None:
+    """A section appended right after a table would be read as the table's next row."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text(f"| a | b |\n|---|---|\n| 1 | 2 |\n{HAND_END}\n")
+    gpu_check.record_section(results, "### section\n\ntext\n")
+    assert results.read_text() == f"| a | b |\n|---|---|\n| 1 | 2 |\n\n### section\n\ntext\n{HAND_END}\n"
+    gpu_check.record_section(results, "### another\n")
+    assert results.read_text().endswith("text\n\n### another\n" + HAND_END + "\n")
