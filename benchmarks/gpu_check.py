@@ -359,7 +359,7 @@ def step_line(site: str, step: set[int]) -> int | None:
     """The frame that puts a sync inside the step: walking outward from the innermost train.py
     frame, the first whose line is in ``step`` (a helper defined in train.py and called from the
     step counts as the step); None when no frame is."""
-    lines = site.split(SITE_ORIGIN)[0]
+    lines = site.partition(SITE_ORIGIN)[0]
     if lines == OUTSIDE_TRAIN_PY:
         return None
     return next((line for line in map(int, lines.split(",")) if line in step), None)
