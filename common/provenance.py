@@ -14,7 +14,9 @@ packages (``pip freeze``'s list, saved once per distinct environment as
 
 Git must never fail or hang a run: every call has a deadline, and a missing ``git``, a folder
 that is not a checkout (a copied recipe) or a refusal (a checkout owned by another user) leaves
-``git_commit`` null with a ``git_note`` saying why.
+``git_commit`` null with a ``git_note`` saying why. So does code that lies untracked inside some
+other repository (a recipe copied into a user's repository, a vendored folder): that repository's
+commit does not hold the code that ran, so it is not named.
 """
 
 from __future__ import annotations
@@ -66,9 +68,17 @@ class GitState:
     note: str | None = None
 
 
-def git_state(folder: Path = _CODE_DIR, timeout_s: float = _GIT_TIMEOUT_S) -> GitState:
+def code_paths(recipe: str) -> tuple[str, ...]:
+    """The folders, relative to the project's root, whose code a run of ``recipe`` runs."""
+    return "common", f"recipes/{recipe}"
+
+
+def git_state(folder: Path = _CODE_DIR, code: tuple[str, ...] = (), timeout_s: float = _GIT_TIMEOUT_S) -> GitState:
     """The commit of the checkout holding ``folder``, whether it has changes, and what they are.
-    Never raises and never takes much longer than ``timeout_s``."""
+
+    - ``code``: paths relative to ``folder`` that the commit must hold; when one is not in it, the
+      folder lies untracked in an enclosing repository: ``commit`` is None and ``note`` says so.
+    - Never raises and never takes much longer than ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0"}  # read only: no index lock
 
@@ -78,6 +88,12 @@ def git_state(folder: Path = _CODE_DIR, timeout_s: float = _GIT_TIMEOUT_S) -> Gi
 
     try:
         commit = git("rev-parse", "HEAD").decode().strip()
+        outside = [path for path in code if not git("ls-tree", "--name-only", "HEAD", "--", path).strip()]
+        if outside:
+            top = git("rev-parse", "--show-toplevel").decode().strip()
+            return GitState(None, None, note=f"{', '.join(outside)} in {folder} is not tracked by the git repository "
+                                             f"at {top}, whose commit does not hold the code that ran: the code's "
+                                             f"version is unknown")
         status = git("status", "--porcelain").decode(errors="replace").splitlines()
         diff = git("diff", "HEAD", "--binary") if status else b""
     except FileNotFoundError:
@@ -229,12 +245,13 @@ def append_record(run_dir: str | Path, record: dict[str, Any]) -> Path:
     return path
 
 
-def segment_record(run_dir: str | Path, dist_info: DistInfo,
-                   resumed_from: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Record this segment (see the module): on rank 0, append it to ``provenance.jsonl``, save
-    the diff and the package list beside it, and return it; None on the other ranks.
-    Collective: every rank reports its host (after rank 0's git calls, so the ranks leave together)."""
-    record = _this_segment(Path(run_dir), dist_info, resumed_from) if dist_info.is_main else None
+def segment_record(run_dir: str | Path, dist_info: DistInfo, resumed_from: dict[str, Any] | None,
+                   recipe: str) -> dict[str, Any] | None:
+    """Record this segment of a run of ``recipe`` (see the module): on rank 0, append it to
+    ``provenance.jsonl``, save the diff and the package list beside it, and return it; None on the
+    other ranks. Collective: every rank reports its host (after rank 0's git calls, so the ranks
+    leave together)."""
+    record = _this_segment(Path(run_dir), dist_info, resumed_from, recipe) if dist_info.is_main else None
     hosts = distributed.all_gather_object(socket.gethostname())
     if record is None:
         return None
@@ -243,10 +260,11 @@ def segment_record(run_dir: str | Path, dist_info: DistInfo,
     return record
 
 
-def _this_segment(run_dir: Path, dist_info: DistInfo, resumed_from: dict[str, Any] | None) -> dict[str, Any]:
+def _this_segment(run_dir: Path, dist_info: DistInfo, resumed_from: dict[str, Any] | None,
+                  recipe: str) -> dict[str, Any]:
     """The record of this segment, but its hosts; the diff and the package list written beside it."""
     segment = len(read_records(run_dir))
-    git = git_state()
+    git = git_state(code=code_paths(recipe))
     diff_file = None
     if git.diff:
         diff_file = f"{_PROVENANCE_DIR}/segment-{segment}.diff"

@@ -393,7 +393,7 @@ class TrainingRun:
         in a line when the checkpoint it resumes was written with another GPU, driver or software, since
         the continuation cannot then be bit-identical."""
         resumed_from = {"checkpoint": self.loaded.path.name, "step": self.loaded.step} if self.loaded else None
-        self.provenance = segment_record(self.run_dir, self.dist_info, resumed_from)
+        self.provenance = segment_record(self.run_dir, self.dist_info, resumed_from, self.recipe)
         if self.deterministic and self.loaded is not None and self.provenance is not None:
             differences = bit_identity_differences(self.loaded.provenance, self.provenance)
             if differences:

@@ -99,8 +99,35 @@ def test_what_a_bit_identical_resume_needs_unchanged_is_named() -> None:
     assert bit_identity_differences(None, now) == [], "a checkpoint from before these records"
 
 
-def test_a_recipe_copied_out_of_the_checkout_trains_and_says_its_version_is_unknown(tmp_path: Path,
-                                                                                    fashion_data: Path) -> None:
+def test_code_untracked_inside_another_repository_names_none_of_its_commits(checkout: Path) -> None:
+    """A project copied or vendored into another repository: that repository's commit does not hold
+    the code until the code is committed there."""
+    project = checkout / "vendor" / "project"
+    code = ("common", "recipes/demo")
+    for folder in code:
+        (project / folder).mkdir(parents=True)
+        (project / folder / "code.py").write_text("x = 1\n")
+    inside = git_state(project, code=code)
+    assert (inside.commit, inside.dirty, inside.diff, inside.untracked) == (None, None, b"", [])
+    assert inside.note == (f"common, recipes/demo in {project} is not tracked by the git repository at {checkout}, "
+                           f"whose commit does not hold the code that ran: the code's version is unknown")
+
+    git(checkout, "add", "vendor/project/common")
+    git(checkout, "commit", "-q", "-m", "vendor common only")
+    assert git_state(project, code=code).note.startswith("recipes/demo in "), "the recipe's folder is untracked"
+
+    git(checkout, "add", "vendor")
+    git(checkout, "commit", "-q", "-m", "vendor the recipe")
+    tracked = git_state(project, code=code)
+    assert (tracked.commit, tracked.dirty, tracked.note) == (git(checkout, "rev-parse", "HEAD").strip(), False, None)
+
+
+@pytest.mark.parametrize("enclosing_repository", [False, True], ids=["outside-any-repository", "inside-another"])
+def test_a_recipe_copied_out_of_the_checkout_trains_and_says_its_version_is_unknown(
+        tmp_path: Path, fashion_data: Path, enclosing_repository: bool) -> None:
+    if enclosing_repository:  # the user's own repository, with a commit that holds none of the copy
+        git(tmp_path, "init", "-q")
+        git(tmp_path, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "x")
     copy = tmp_path / "project"
     for part in ("common", "conf", "recipes/fashion_mnist"):
         shutil.copytree(REPO / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
@@ -113,4 +140,10 @@ def test_a_recipe_copied_out_of_the_checkout_trains_and_says_its_version_is_unkn
     assert_ok(result)
     (record,) = read_records(run_dir)
     assert record["git_commit"] is None and record["git_dirty"] is None
-    assert record["git_note"] == f"{copy} is not a git checkout (a copied recipe?): the code's version is unknown"
+    if enclosing_repository:
+        assert record["git_untracked"] == [] and record["git_diff"] is None
+        assert record["git_note"] == (f"common, recipes/fashion_mnist in {copy} is not tracked by the git repository "
+                                      f"at {tmp_path}, whose commit does not hold the code that ran: the code's "
+                                      f"version is unknown")
+    else:
+        assert record["git_note"] == f"{copy} is not a git checkout (a copied recipe?): the code's version is unknown"
