@@ -107,16 +107,25 @@ def all_finite(*states: Any) -> bool:
     return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
 
 
+# Every LR value a schedule computes its LR from: a torch ``LRScheduler``'s ``base_lrs`` (the
+# recipes' LambdaLR schedules multiply them); a timm scheduler's ``base_values``, its warmup's start
+# and slope, and its floor. Scaling all of them scales the whole schedule, warmup included.
+_SCHEDULE_LR_ATTRIBUTES = ("base_lrs", "base_values", "warmup_lr_init", "warmup_steps", "lr_min")
+
+
 def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Any, factor: float) -> None:
-    """Multiply the learning rate by ``factor`` from now on: the optimizer's groups and the
-    schedule's base values (a torch ``LRScheduler``'s ``base_lrs``, a timm scheduler's
-    ``base_values``), which their state dicts keep, so a resumed run keeps the factor too."""
+    """Multiply the learning rate by ``factor`` from now on, at every step of the schedule: the
+    optimizer's groups and the schedule's LR values (:data:`_SCHEDULE_LR_ATTRIBUTES`), which
+    their state dicts keep, so a resumed run keeps the factor too."""
     if factor == 1.0:
         return
     for group in optimizer.param_groups:
         for key in ("lr", "initial_lr"):
             if key in group:
                 group[key] *= factor
-    for attribute in ("base_lrs", "base_values"):
-        if scheduler is not None and isinstance(getattr(scheduler, attribute, None), list):
-            setattr(scheduler, attribute, [value * factor for value in getattr(scheduler, attribute)])
+    for attribute in _SCHEDULE_LR_ATTRIBUTES:
+        value = getattr(scheduler, attribute, None) if scheduler is not None else None
+        if isinstance(value, list):
+            setattr(scheduler, attribute, [item * factor for item in value])
+        elif isinstance(value, float):
+            setattr(scheduler, attribute, value * factor)

@@ -3,11 +3,11 @@ pre-emption exit, and the finish with ``summary.json``. A recipe hands :class:`T
 checkpoint holds and keeps its own loop::
 
     run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, ...)
-    progress = run.resume()                          # the newest valid checkpoint, if any
+    progress = run.resume()                          # the newest valid checkpoint, if any; restores update it
     while not run.training_done():
         for group in run.steps(micro_batches):       # one optimizer step per group of micro-batches
             ...forward, backward, optimizer step...
-            run.step_done(group.samples, grad_norm)
+            run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
             ...log every trainer.log_every_steps: run.log_train(...)
         run.end_epoch(evaluate)                      # evaluates (when due) and saves
     run.finish(evaluate)                             # final evaluation, checkpoint, summary.json
@@ -18,12 +18,13 @@ stopping and ``init_from``: README "Outputs, resume and pre-emption" and "After 
 
 from __future__ import annotations
 
+import copy
 import functools
 import signal
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,16 @@ class Progress:
     def describe(self) -> str:
         """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""
         return ", ".join([f"step {self.step}", f"epoch {self.epoch}", *(f"{k} {v}" for k, v in self.extra.items())])
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Take the counters of a checkpoint (``asdict`` of a Progress) in place. In place, because
+        the loop holds this object from :meth:`TrainingRun.resume` on: a restore that made a new one
+        would leave the loop reading a step that no longer moves. Counters an earlier version kept
+        and this one does not are ignored; those it lacks take their defaults."""
+        known = {name: value for name, value in saved.items() if name in _PROGRESS_FIELDS}
+        restored = Progress(**copy.deepcopy(known))
+        for progress_field in fields(Progress):
+            setattr(self, progress_field.name, getattr(restored, progress_field.name))
 
 
 _PROGRESS_FIELDS = {progress_field.name for progress_field in fields(Progress)}
@@ -300,8 +311,10 @@ class TrainingRun:
         self.compile_cache = compile_cache
         self.watch = NonfiniteWatch(dist_info.device)
         self.telemetry = StepTelemetry(dist_info.device, precision)
-        self.progress = Progress()
-        self._step_zero_pending = False  # trainer.nonfinite=rollback: a fresh run saves step 0 before its first step
+        self._progress = Progress()
+        # trainer.nonfinite=rollback: a checkpoint to go back to is saved before the next step (a fresh
+        # run's step 0; the first step of an optimizer started mid-run, which an older one cannot restore)
+        self._save_before_next_step = False
         self.logger: RunLogger | None = None
         self.loaded: LoadedCheckpoint | None = None
         self.provenance: dict[str, Any] | None = None  # this segment's record (rank 0), in every manifest it saves
@@ -343,11 +356,19 @@ class TrainingRun:
                    deterministic=cfg.trainer.deterministic, profile=cfg.profile, compile_cache=compile_cache,
                    search_trial=SearchTrial.from_environment(), **objects)
 
+    @property
+    def progress(self) -> Progress:
+        """Where the run is: one object for the whole run, which every restore (a resume, a rollback)
+        updates in place, so a loop that holds it always reads the current step and epoch. Read-only:
+        assigning another Progress here would leave the loop's copy behind."""
+        return self._progress
+
     # ---- resume ---------------------------------------------------------------------------------
 
     def resume(self) -> Progress:
         """Restore everything from the newest valid checkpoint (none: start at step 0, from the
-        weights of ``init_from`` when it is set), open the logs and return the progress. Loaded to
+        weights of ``init_from`` when it is set), open the logs and return :attr:`progress`, which
+        later restores (a rollback) update in place, so the loop may keep it. Loaded to
         the CPU: RNG states must be there, and so must the optimizer's step counts (on a GPU each
         optimizer step would read them back to the host). Collective."""
         sharded_model = None
@@ -385,7 +406,7 @@ class TrainingRun:
         # A rollback needs a finite checkpoint to go back to, from the first step on. It is saved when
         # the loop asks for its first step: a recipe may hand over its optimizer only after resume()
         # (dinov2_fsdp makes the one of the stage the progress says), and a save needs it.
-        self._step_zero_pending = self.nonfinite == "rollback" and self.loaded is None
+        self._save_before_next_step = self.nonfinite == "rollback" and self.loaded is None
         return self.progress
 
     def _record_provenance(self) -> None:
@@ -453,8 +474,7 @@ class TrainingRun:
         else:
             self.train_sums.load_state_dict(_merged_sums(saved_sums) if rank == 0 else {})
         set_rng_state(rngs[rank] if same_world else rngs[0])
-        saved = {name: value for name, value in state["progress"].items() if name in _PROGRESS_FIELDS}
-        self.progress = Progress(**saved)  # (checkpoints of earlier versions hold a counter no longer kept)
+        self.progress.load_state_dict(state["progress"])
         self.progress.resumes += 1
         heartbeat.at_step(self.progress.step)
 
@@ -485,6 +505,8 @@ class TrainingRun:
             self._restore_optimizer(self.loaded)
         elif not restore:
             self.progress.flops_per_sample = None  # what a step trains changed: count its FLOPs again
+            # A rollback from here on must find a checkpoint of this optimizer (dinov2's fine-tune).
+            self._save_before_next_step = self.nonfinite == "rollback" and self.logger is not None
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -501,8 +523,8 @@ class TrainingRun:
         to come (``train/data_wait_frac``), counts the FLOPs of the step that needs counting
         (``train/mfu``) and traces the steps ``profile.*`` asks for."""
         plan, progress = self.plan, self.progress
-        if self._step_zero_pending:
-            self._step_zero_pending = False
+        if self._save_before_next_step:
+            self._save_before_next_step = False
             self.save()
         extra = f" ({', '.join(f'{k} {v}' for k, v in progress.extra.items())})" if progress.extra else ""
         self._bar = self.logger.progress(plan.per_epoch, initial=plan.per_epoch - plan.steps_left(),
@@ -545,21 +567,28 @@ class TrainingRun:
             self.scaler.unscale_(self.optimizer)
         return clip_grad_norm(parameters, self.grad_clip_norm)
 
-    def step_done(self, samples: int, grad_norm: torch.Tensor | None = None) -> None:
+    def step_done(self, samples: int, grad_norm: torch.Tensor | None = None, *, loss: torch.Tensor | None) -> None:
         """Count an optimizer step that used ``samples`` samples on each rank (the sampler's position
-        moves on by that many for every rank), and watch it for values that are not finite: the
-        training loss (the ``loss`` every recipe sums in ``train_sums``, each micro-batch's) and
-        ``grad_norm`` where the step clips (:meth:`clip_grad_norm`; a norm measured only for the log is
-        not watched, so that a divergence is still told on the ranks where the loss went first).
-        Under fp16 a non-finite gradient is the grad scaler's to handle (it skips that step and
-        lowers its scale), so it is not watched there."""
+        moves on by that many for every rank), and watch it for values that are not finite.
+
+        - ``loss``: the training loss the divergence watch reads, on the device (no host sync): the
+          recipes hand it the running sum of every micro-batch's loss, ``train_sums.running("loss")``.
+          None (a sum under another name) stops the run with one line, never an unwatched run.
+        - ``grad_norm``: watched where the step clips (:meth:`clip_grad_norm`); a norm measured only
+          for the log is not, so that a divergence is still told on the ranks where the loss went
+          first. Under fp16 a non-finite gradient is the grad scaler's to handle (it skips that step
+          and lowers its scale), so it is not watched there."""
+        if loss is None:
+            raise UserError("run.step_done() got loss=None: hand it the step's training loss on the device "
+                            "(train_sums.running(<the name the loop sums its loss under>)), which trainer.nonfinite "
+                            "watches")
         self.sampler.advance(samples)
         self.progress.step += 1
         heartbeat.at_step(self.progress.step)
         heartbeat.enter(heartbeat.AFTER_STEP)
         scaler_skips = self.scaler is not None and self.scaler.is_enabled()
         watched_norm = grad_norm if self.grad_clip_norm and not scaler_skips else None
-        self.watch.observe(self.progress.step, self.train_sums.running("loss"), watched_norm)
+        self.watch.observe(self.progress.step, loss, watched_norm)
         self.telemetry.step_done(samples, grad_norm)
         if self._flop_count is not None:
             self.progress.flops_per_sample = self._flop_count.stop() / max(samples, 1)
@@ -689,7 +718,7 @@ class TrainingRun:
         RNGs), past the micro-batches of the steps up to ``nonfinite_step`` (a bit-exact
         continuation would meet them again), with the LR times ``trainer.rollback_lr_factor``;
         checkpointed at once, so a restart keeps all three. False when there is no checkpoint."""
-        detected_at, kept = self.progress.step, self.progress
+        detected_at, kept = self.progress.step, replace(self.progress)  # the restore overwrites the counters
         seconds = kept.train_seconds + time.monotonic() - self._clock
         self.checkpoints.wait()
         with heartbeat.phase(heartbeat.LOAD):

@@ -16,6 +16,9 @@ and plan the recipe made), and through hooks on the model and the optimizer:
   clipping), the samples each input holds and the steps at which training metrics were logged;
 * ``steps=None``: run to the end (finish, summary), recording the evaluation's inputs too.
 
+``nonfinite_at=k`` makes the model's output NaN in the first training forward of optimizer step
+``k``, once: what a diverging step does to the loss, for a run that may roll back.
+
 A :class:`~common.errors.UserError` the recipe raises is recorded, not raised. The process is left
 as it was found: signal handlers, open log files, the global random generators and determinism
 switch, the recipe module's ``compile_static`` (which the probe records instead of compiling).
@@ -86,6 +89,7 @@ class Probe:
 
     cfg: Any
     run: TrainingRun | None = None
+    held_progress: Any = None  # what run.resume() returned: the progress the recipe's loop holds
     error: str | None = None  # the UserError the recipe stopped with
     micro_batches: Any = None  # what the loop first handed run.steps(): a DataLoader or index tensors
     compiled: list[Any] = field(default_factory=list)  # what the recipe handed compile_static
@@ -98,6 +102,9 @@ class Probe:
     indices: list[list[int]] = field(default_factory=list)  # per micro-batch, in-memory recipes only
     sample_keys: list[tuple[int, int]] = field(default_factory=list)  # (epoch, index) each loaded sample was seeded by
     logged_at: list[int] = field(default_factory=list)  # steps at which training metrics were logged
+    # per optimizer step, in order (a step a rollback undoes included): its number, the LR of the
+    # optimizer's first group and which optimizer took it (0 for the first the run tracked, then 1, ...)
+    optimizer_steps: list[tuple[int, float, int]] = field(default_factory=list)
     stepping: bool = False
     loss_logged: float = 0.0  # the loss sums as the previous step left them
 
@@ -140,8 +147,19 @@ def _whole(gradient: torch.Tensor) -> torch.Tensor:
     return (full_tensor() if full_tensor is not None else gradient).detach().cpu().clone()
 
 
+def _made_nan(output: Any) -> Any:
+    """``output`` (a tensor, or a dict, tuple or list of them) with every floating-point tensor NaN."""
+    if isinstance(output, torch.Tensor):
+        return output * float("nan") if output.is_floating_point() else output
+    if isinstance(output, dict):
+        return type(output)((key, _made_nan(value)) for key, value in output.items())
+    if isinstance(output, (tuple, list)):
+        return type(output)(_made_nan(value) for value in output)
+    return output
+
+
 def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CPU,
-          fixed_statistics: bool = False) -> Probe:
+          fixed_statistics: bool = False, nonfinite_at: int | None = None) -> Probe:
     """Run ``recipe``'s ``train(cfg)`` until ``steps`` optimizer steps are done (0: until it asks
     for its first; None: to its end) and return what it built and did.
 
@@ -150,7 +168,8 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
     per-sample gradients however its samples are cut into micro-batches and ranks."""
     train = importlib.import_module(f"recipes.{recipe}.train")
     seen = Probe(cfg)
-    hooked: set[int] = set()
+    hooked: list[torch.optim.Optimizer] = []  # in the order the run tracked them (held: no id is reused)
+    nonfinite_fired: list[int] = []
     originals = {name: getattr(TrainingRun, name) for name in ("resume", "steps", "step_done", "log_train")}
     originals["load_sample"] = PerSampleSeeded.__getitem__
     compile_static = train.compile_static
@@ -161,7 +180,8 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
 
     def resume(run: TrainingRun) -> Any:
         seen.run = run
-        return originals["resume"](run)
+        seen.held_progress = originals["resume"](run)
+        return seen.held_progress
 
     def before_forward(module: torch.nn.Module, args: tuple) -> None:
         if not seen.stepping:
@@ -173,19 +193,30 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
         seen.epochs.append(seen.run.progress.epoch)
         seen.steps.append(seen.run.progress.step + 1)
 
+    def after_forward(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        step = seen.run.progress.step + 1
+        if not seen.stepping or step != nonfinite_at or nonfinite_fired:
+            return output
+        nonfinite_fired.append(step)
+        return _made_nan(output)
+
     def steps_of(run: TrainingRun, micro_batches: Any) -> Iterator[Any]:
         if seen.micro_batches is None:
             seen.micro_batches = micro_batches
             if steps == 0:
                 raise _Stop
             run.model.register_forward_pre_hook(before_forward)
-        if id(run.optimizer) not in hooked:  # a recipe may start a new optimizer (dinov2's stages)
-            hooked.add(id(run.optimizer))
+            if nonfinite_at is not None:
+                run.model.register_forward_hook(after_forward)
+        if not any(optimizer is run.optimizer for optimizer in hooked):  # dinov2's stages start a new one
+            hooked.append(run.optimizer)
             names = {id(param): name for name, param in run.model.named_parameters()}
+            ordinal = len(hooked) - 1
 
             def before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
                 seen.gradients.append({names[id(param)]: _whole(param.grad) for group in optimizer.param_groups
                                        for param in group["params"] if param.grad is not None})
+                seen.optimizer_steps.append((seen.run.progress.step + 1, optimizer.param_groups[0]["lr"], ordinal))
 
             run.optimizer.register_step_pre_hook(before_optimizer_step)
         if isinstance(micro_batches, tuple):  # an in-memory recipe's index tensors
@@ -196,11 +227,12 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
         finally:
             seen.stepping = False
 
-    def step_done(run: TrainingRun, samples: int, grad_norm: torch.Tensor | None = None) -> None:
+    def step_done(run: TrainingRun, samples: int, grad_norm: torch.Tensor | None = None, *,
+                  loss: torch.Tensor | None) -> None:
         summed = float(run.train_sums.state_dict().get("loss", torch.zeros(())).sum())
         seen.losses.append(summed - seen.loss_logged)
         seen.loss_logged = summed
-        originals["step_done"](run, samples, grad_norm)
+        originals["step_done"](run, samples, grad_norm, loss=loss)
         if steps is not None and run.progress.step >= steps:
             raise _Stop
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,12 @@ from common.checkpoint import STATE_FILE, CheckpointManager, best_checkpoint, co
 from common.errors import EXIT_DIVERGED
 from common.jsonfiles import NON_FINITE_KEY, dumps, write_json
 from common.loggers import METRICS_FILE
+from common.pytorch.metrics import SumMetrics
+from common.run import Progress
 from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe
-from tests.recipe_probe import Configs, probe, tiny_settings
+from tests.recipe_probe import Configs, Probe, probe, tiny_settings
 from tests.resume import PAUSE_HOOK
+from tests.test_augmentation_draws import MOSTLY, RECIPES, fraction_differing, one_image_data
 
 RECIPE = "fashion_mnist"
 TINY = ["model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=16", "logging.backend=none",
@@ -204,3 +208,124 @@ def test_a_fresh_run_that_may_roll_back_checkpoints_step_0_before_its_first_step
     seen = probe(recipe, configs("trainer.nonfinite=rollback"), steps=1)
     assert seen.error is None and seen.losses, "the first step did not run"
     assert [found.step for found in committed_checkpoints(seen.cfg.checkpoint.dir)] == [0]
+
+
+# ---- a rollback through each recipe's real loop: it goes on at the run's step --------------------
+
+ROLLBACK_SETTINGS = ["trainer.nonfinite=rollback", "trainer.rollback_lr_factor=0.5", "checkpoint.every_steps=2",
+                     "checkpoint.sync_every_steps=1", "checkpoint.every_seconds=0", "trainer.log_every_steps=2",
+                     "trainer.epochs=10"]
+NAN_AT, BACK_TO, LAST = 5, 4, 9  # step 5 goes NaN, the run goes back to step 4's checkpoint, and trains to step 9
+PER_STEP_DRAWS = ("fashion_mnist", "cifar100_resnet50", "dinov2_fsdp")  # augmentation seeded by (seed, step, rank)
+DINOV2_PROBE_EPOCHS = 2  # 4 steps an epoch: the probe ends at step 8, after the rollback
+
+
+_rolled_back: dict[str, tuple[Probe, Configs]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_probes() -> Iterator[None]:
+    """Probes hold models and inputs: let them go when this module's tests are done."""
+    yield
+    _rolled_back.clear()
+
+
+def rolled_back(recipe: str, factory: pytest.TempPathFactory) -> tuple[Probe, Configs]:
+    """``recipe``'s real train() with step 5's output made NaN: it rolls back to step 4's checkpoint
+    and trains to step 9 (the recipes that augment by step: on data whose images are all one); and
+    the configs it was made with."""
+    if recipe not in _rolled_back:
+        settings = one_image_data(recipe, factory) if recipe in PER_STEP_DRAWS else tiny_settings(recipe, factory)
+        extra = [f"stages.probe_epochs={DINOV2_PROBE_EPOCHS}"] if recipe == "dinov2_fsdp" else []
+        configs = Configs(recipe, factory.mktemp(f"{recipe}-rollback"), [*settings, *ROLLBACK_SETTINGS, *extra])
+        seen = probe(recipe, configs(), steps=LAST, nonfinite_at=NAN_AT)
+        assert seen.error is None, seen.error
+        [rollback] = seen.run.progress.rollbacks
+        assert (rollback["nonfinite_step"], rollback["back_to_step"]) == (NAN_AT, BACK_TO)
+        _rolled_back[recipe] = seen, configs
+    return _rolled_back[recipe]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_after_a_rollback_train_metrics_are_logged_every_log_every_steps(
+        recipe: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    seen, _ = rolled_back(recipe, tmp_path_factory)
+    assert seen.logged_at == [2, 4, 6, 8], "the log cadence after the rollback"
+
+
+def test_the_runs_progress_is_one_object_a_restore_updates_and_nothing_replaces(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    seen, _ = rolled_back("fashion_mnist", tmp_path_factory)
+    held = seen.held_progress
+    assert held is seen.run.progress and held.step == LAST and held.rollbacks, "what resume() returned moves on"
+    with pytest.raises(AttributeError):
+        seen.run.progress = Progress()
+    assert seen.run.progress is held
+
+
+@pytest.mark.parametrize("recipe", PER_STEP_DRAWS)
+def test_after_a_rollback_each_step_draws_differently_from_the_one_before(
+        recipe: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One image everywhere: two steps' inputs alike mean the same augmentation draws."""
+    seen, _ = rolled_back(recipe, tmp_path_factory)
+    first = [index for index, step in enumerate(seen.steps) if step == NAN_AT][-1]  # step 5 again, after it
+    by_step: dict[int, torch.Tensor] = {}
+    for step, batch in zip(seen.steps[first:], seen.inputs[first:]):
+        by_step[step] = torch.cat([by_step[step], batch]) if step in by_step else batch
+    assert sorted(by_step) == list(range(NAN_AT, LAST + 1))
+    pairs = [(by_step[step][row], by_step[step + 1][row]) for step in range(NAN_AT, LAST)
+             for row in range(min(len(by_step[step]), len(by_step[step + 1])))]
+    assert fraction_differing(pairs) >= MOSTLY, "after the rollback each step repeats the draws of the one before"
+
+
+def test_after_a_rollback_timm_imagenet_takes_the_scheduled_lr_of_each_step_times_the_factor(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Its LR is set per step from the step count (here in the schedule's warmup); an uninterrupted
+    run of the same config gives the schedule's values."""
+    seen, configs = rolled_back("timm_imagenet", tmp_path_factory)
+    scheduled = {step: lr for step, lr, _ in probe("timm_imagenet", configs(), steps=LAST).optimizer_steps}
+    after = [(step, lr) for step, lr, _ in seen.optimizer_steps][NAN_AT:]  # past steps 1-5 before the rollback
+    assert [step for step, _ in after] == list(range(NAN_AT, LAST + 1))
+    assert len({lr for _, lr in after}) == len(after), "the schedule must move from step to step"
+    for step, lr in after:
+        assert lr == pytest.approx(scheduled[step] * 0.5, rel=1e-9), f"step {step}: {lr}, not {scheduled[step]} / 2"
+
+
+def test_after_a_rollback_during_the_probe_dinov2_fsdp_switches_stage_when_the_probe_ends(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The fine-tune's optimizer takes the first step of the epoch after the probe's last; the epoch
+    whose step the rollback skipped ends a step sooner."""
+    seen, _ = rolled_back("dinov2_fsdp", tmp_path_factory)
+    [rollback] = seen.run.progress.rollbacks
+    probe_ends_at = DINOV2_PROBE_EPOCHS * seen.run.plan.per_epoch - rollback["skipped_steps"]
+    first_finetune = next((step for step, _, optimizer in seen.optimizer_steps if optimizer == 1), None)
+    first_of_epoch = next(step for step, epoch in zip(seen.steps, seen.epochs) if epoch == DINOV2_PROBE_EPOCHS)
+    assert first_finetune == first_of_epoch == probe_ends_at + 1
+    assert seen.run.progress.extra["stage"] == "finetune"
+
+
+def test_a_loop_whose_loss_sum_has_another_name_stops_at_its_first_step_with_one_line(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fashion_mnist's real loop, its loss summed under another name: ``train_sums.running("loss")``
+    is None, and the run must refuse to train unwatched rather than never see a divergence."""
+    add = SumMetrics.add
+    monkeypatch.setattr(SumMetrics, "add", lambda sums, loss=None, **values: add(sums, **values, loss_sum=loss))
+    configs = Configs(RECIPE, tmp_path_factory.mktemp("renamed-loss"), tiny_settings(RECIPE, tmp_path_factory))
+    seen = probe(RECIPE, configs(), steps=2)
+    assert seen.error is not None and "run.step_done() got loss=None" in seen.error and "\n" not in seen.error
+    assert seen.run.progress.step == 0, "no step may be counted unwatched"
+
+
+def test_a_rollback_in_dinov2_fsdps_fine_tune_goes_back_to_the_fine_tune(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The fine-tune starts a fresh optimizer; a rollback in its first steps must find a checkpoint of
+    the fine-tune to go back to, not the probe's, whose optimizer and stage are others."""
+    configs = Configs("dinov2_fsdp", tmp_path_factory.mktemp("dinov2-finetune-rollback"),
+                      [*tiny_settings("dinov2_fsdp", tmp_path_factory), *ROLLBACK_SETTINGS, "stages.probe_epochs=1"])
+    seen = probe("dinov2_fsdp", configs(), steps=LAST, nonfinite_at=6)
+    assert seen.error is None, seen.error
+    probe_steps = seen.run.plan.per_epoch
+    [rollback] = seen.run.progress.rollbacks
+    assert rollback["back_to_step"] == probe_steps and seen.run.progress.extra["stage"] == "finetune"
+    assert {optimizer for step, _, optimizer in seen.optimizer_steps if step > probe_steps} == {1}
+    assert seen.run.progress.step == LAST

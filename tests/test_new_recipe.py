@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import EXIT_DIVERGED
 from tests.conftest import REPO, recipe_env
+from tests.resume import PAUSE_HOOK
 
 COPIED = ["common", "conf", "recipes", "data_prep", "tools", "tests", "cluster", "Makefile", "pyproject.toml"]
 
@@ -28,7 +31,7 @@ def make_sandbox(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_new_recipe_round_trip(tmp_path: Path) -> None:
+def test_new_recipe_round_trip(tmp_path: Path, fashion_data: Path) -> None:
     sandbox = make_sandbox(tmp_path)
     venv = Path(sys.executable).parents[1]
     made = subprocess.run(["make", "new-recipe", "NAME=demo_copy", "FROM=fashion_mnist", f"VENV={venv}", "STAMP="],
@@ -72,3 +75,14 @@ def test_new_recipe_round_trip(tmp_path: Path) -> None:
                  "demo_copy.isc", "demo_copy.sbatch", "test_demo_copy.py::test_user_errors"):
         assert name in tests.stdout, f"{name} did not run in the copy:\n{tests.stdout[-4000:]}"
     assert " passed" in tests.stdout and "failed" not in tests.stdout
+
+    # The copy's loop hands its loss to the divergence watch as the original's does: a NaN loss at
+    # step 2 (tests/pause_hook) stops it with exit code 3.
+    diverged = subprocess.run([sys.executable, "-m", "recipes.demo_copy.train", f"data.root={fashion_data}",
+                               f"run_dir={tmp_path / 'diverged'}", "model.channels=[4,8]", "model.hidden=16",
+                               "trainer.batch_size=16", "trainer.max_steps=4", "logging.backend=none",
+                               "checkpoint.sync_every_steps=1"], cwd=sandbox, capture_output=True, text=True,
+                              env=recipe_env(PYTHONPATH=f"{PAUSE_HOOK}{os.pathsep}{sandbox}", NONFINITE_AT_STEP="2"),
+                              timeout=300)
+    assert diverged.returncode == EXIT_DIVERGED, diverged.stderr[-2000:]
+    assert "the training was not finite at step 2" in diverged.stderr

@@ -114,7 +114,7 @@ def train_tiny(folder: Path, delay: float = 0.0, grad_clip_norm: float = 0.0, lo
         norms.append(run.clip_grad_norm(model.parameters()))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        run.step_done(group.samples, norms[-1])
+        run.step_done(group.samples, norms[-1], loss=sums.running("loss"))
         logged = run.progress.step % log_every == 0
         if logged:
             totals = sums.reduce()

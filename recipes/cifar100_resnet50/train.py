@@ -133,7 +133,7 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            run.step_done(group.samples, grad_norm)
+            run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
             if ema is not None:
                 ema.update(model, step=progress.step)
 

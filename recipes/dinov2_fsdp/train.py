@@ -219,7 +219,7 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            run.step_done(group.samples, grad_norm)
+            run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
 
             if progress.step % cfg.trainer.log_every_steps == 0:
                 sums = train_sums.reduce()

@@ -60,7 +60,9 @@ class MultiTaskLoss:
             if training:
                 loss = F.cross_entropy(outputs[level].float(), target, weight=self.class_weights.get(level),
                                        ignore_index=metadata.UNKNOWN, label_smoothing=self.label_smoothing)
-                loss = torch.nan_to_num(loss)  # a micro-batch with no label at this level adds nothing
+                # A micro-batch with no label at this level adds nothing (its mean is 0/0); a NaN from a
+                # diverging model is kept, for trainer.nonfinite to see.
+                loss = torch.where((target != metadata.UNKNOWN).any(), loss, 0.0)
             else:
                 loss = F.cross_entropy(outputs[level].float(), target, ignore_index=metadata.UNKNOWN, reduction="sum")
             total = total + self.level_weights[level] * loss
@@ -237,7 +239,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            run.step_done(group.samples, grad_norm)
+            run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
 
             if progress.step % cfg.trainer.log_every_steps == 0:
                 sums = train_sums.reduce()

@@ -211,7 +211,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-            run.step_done(group.samples, grad_norm)
+            run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
             scheduler.step_update(num_updates=progress.step)
             if ema is not None:
                 ema.update(model, step=progress.step)
