@@ -33,6 +33,7 @@ SHORT_LAST_STEP = f"{EQUIVALENCE}test_a_short_last_step_weighs_each_of_its_sampl
 TWO_RANKS = f"{EQUIVALENCE}test_two_ranks_give_the_gradient_of_one_rank_with_the_same_global_batch"
 DRAWS = "tests/test_augmentation_draws.py::"
 RULES = "tests/test_run_rules.py::"
+DIVERGENCE = "tests/test_divergence.py::"
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -503,5 +504,52 @@ MUTATIONS: list[Mutation] = [
         "metrics = self._evaluate(evaluate)",
         (f"{RULES}test_evaluations_come_every_eval_every_epochs_and_at_the_end",),
         "trainer.eval_every_epochs is ignored: a long evaluation runs after every epoch",
+    ),
+    # ---- issue 34: after a rollback the loop goes on at the run's step ------------------------------
+    Mutation(
+        "restore-rebinds-the-progress", "common/run.py",
+        '        self.progress.load_state_dict(state["progress"])',
+        '        self._progress = Progress(**state["progress"])',
+        (f"{DIVERGENCE}test_after_a_rollback_train_metrics_are_logged_every_log_every_steps[fashion_mnist]",
+         f"{DIVERGENCE}test_after_a_rollback_each_step_draws_differently_from_the_one_before[cifar100_resnet50]",
+         f"{DIVERGENCE}test_after_a_rollback_timm_imagenet_takes_the_scheduled_lr_of_each_step_times_the_factor",
+         f"{DIVERGENCE}test_after_a_rollback_during_the_probe_dinov2_fsdp_switches_stage_when_the_probe_ends"),
+        "after a rollback the loop reads a frozen step: no more train logs, the same augmentation every step, "
+        "a constant LR, dinov2 never fine-tunes",
+    ),
+    Mutation(
+        "no-checkpoint-of-a-fresh-optimizer", "common/run.py",
+        '            self._save_before_next_step = self.nonfinite == "rollback" and self.logger is not None',
+        "            pass",
+        (f"{DIVERGENCE}test_a_rollback_in_dinov2_fsdps_fine_tune_goes_back_to_the_fine_tune",),
+        "a rollback in dinov2's fine-tune loads the probe's checkpoint into the fine-tune's optimizer and crashes",
+    ),
+    Mutation(
+        "rollback-lr-factor-misses-the-warmup", "common/divergence.py",
+        '_SCHEDULE_LR_ATTRIBUTES = ("base_lrs", "base_values", "warmup_lr_init", "warmup_steps", "lr_min")',
+        '_SCHEDULE_LR_ATTRIBUTES = ("base_lrs", "base_values")',
+        (f"{DIVERGENCE}test_after_a_rollback_timm_imagenet_takes_the_scheduled_lr_of_each_step_times_the_factor",),
+        "a timm run that rolls back in its warmup keeps the LR that diverged until the warmup ends",
+    ),
+    Mutation(
+        "watch-reads-a-missing-loss", "common/run.py",
+        "        if loss is None:\n            raise UserError(", "        if False:\n            raise UserError(",
+        (f"{DIVERGENCE}test_a_loop_whose_loss_sum_has_another_name_stops_at_its_first_step_with_one_line",),
+        "a recipe whose loss sum has another name trains unwatched: a NaN run commits NaN checkpoints",
+    ),
+    Mutation(
+        "fungitastic-loss-hides-nan", "recipes/fungitastic/train.py",
+        "loss = torch.where((target != metadata.UNKNOWN).any(), loss, 0.0)", "loss = torch.nan_to_num(loss)",
+        (f"{DIVERGENCE}test_after_a_rollback_train_metrics_are_logged_every_log_every_steps[fungitastic]",),
+        "fungitastic's divergence is seen a step late, in the weights, after the NaN step was applied",
+    ),
+    Mutation(
+        "provenance-names-an-enclosing-repository", "common/provenance.py",
+        '        outside = [path for path in code if not git("ls-tree", "--name-only", "HEAD", "--", path).strip()]',
+        "        outside = []",
+        ("tests/test_provenance.py::test_code_untracked_inside_another_repository_names_none_of_its_commits",
+         "tests/test_provenance.py::test_a_recipe_copied_out_of_the_checkout_trains_and_says_its_version_is_unknown"
+         "[inside-another]"),
+        "a recipe copied into a user's repository records that repository's commit, which holds none of its code",
     ),
 ]
