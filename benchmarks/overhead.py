@@ -19,12 +19,14 @@ import io
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.results import Result
 from common.data.sampler import ResumableDistributedSampler
@@ -143,6 +145,46 @@ def measure(device_name: str, pairs: int, batch_size: int, workdir: Path) -> dic
     return times
 
 
+class Operators(TorchDispatchMode):
+    """Counts the ATen operators dispatched while it is active (autograd's backward included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (PyTorch's protocol)
+        self.calls.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def step_operators(workdir: Path, batch_size: int = 16) -> tuple[Counter, Counter]:
+    """The ATen operators of one steady training step on the CPU (the 4th: past the first, whose
+    FLOPs are counted; no log, no checkpoint): fashion_mnist's real loop from the end of step 3
+    to the end of step 4, and the bare loop's step on the same batch. Their difference is what
+    the loop and the shared layer add; on a GPU each is a kernel launch or a host call."""
+    counted = 4
+    data = write_fashion_mnist(workdir / "data", n_train=(counted + 2) * batch_size, n_test=batch_size)
+    cfg = typed_config(compose_config("fashion_mnist", [
+        f"data.root={data}", f"run_dir={workdir / 'operators'}", "device=cpu", "trainer.epochs=1",
+        f"trainer.batch_size={batch_size}", f"trainer.max_steps={counted + 1}", "trainer.log_every_steps=1000",
+        "checkpoint.every_steps=0", "checkpoint.every_seconds=1e9", "logging.backend=none",
+        "logging.progress_bar=false",
+    ]))
+    configure_determinism(cfg.trainer.deterministic, cfg.device)  # as the recipe's main does
+    dist_info = init_distributed(cfg.device)
+    marks: dict[int, int] = {}
+    counting = Operators()
+    quiet = io.StringIO()
+    with mock.patch.object(CheckpointCadence, "after_step", probed_after_step(lambda step: marks.setdefault(
+            step, len(counting.calls)))), contextlib.redirect_stdout(quiet), counting:
+        recipe.train(cfg, dist_info)
+    bare = BareLoop(cfg, dist_info.device)
+    bare.steps(counted - 1)
+    with Operators() as bare_step:
+        bare.steps(1)
+    return Counter(counting.calls[marks[counted - 1]:marks[counted]]), Counter(bare_step.calls)
+
+
 def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int, log_dir: Path) -> float:
     """Microseconds per step of the shared-layer calls the recipe adds to a bare step, alone."""
     logits = torch.randn(batch_size, 10, device=device)
@@ -204,6 +246,13 @@ def run(quick: bool) -> list[Result]:
                 Result(BENCHMARK, f"{label}: overhead, fastest segments", 100 * (min(recipe_ms) / min(bare_ms) - 1),
                        "%", "fastest recipe segment / fastest bare segment - 1: a busy machine only adds time"),
             ]
+        if device == "cpu":
+            with tempfile.TemporaryDirectory() as workdir:
+                recipe_ops, bare_ops = step_operators(Path(workdir))
+            added = recipe_ops - bare_ops
+            results.append(Result(BENCHMARK, "cpu: operators added to a steady step", sum(added.values()),
+                                  "operators", f"over the bare step's {sum(bare_ops.values())}: "
+                                  + ", ".join(f"{name} x{count}" for name, count in sorted(added.items()))))
         bare_step_ms = statistics.median(times["bare wall" if device == "cuda" else "bare cpu"])
         results.append(Result(
             BENCHMARK, f"{device}: shared-layer calls alone", bookkeeping, "us/step",

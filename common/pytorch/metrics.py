@@ -29,15 +29,15 @@ class SumMetrics:
                 self._counts[name] = self._counts.get(name, 0) + value
                 continue
             if isinstance(value, torch.Tensor):
-                value = value.detach().to(self.device, self._dtype)
+                value = value.detach().to(self.device)
                 if value.dim():
-                    value = value.sum()
+                    value = value.to(self._dtype).sum()
             else:
                 value = torch.tensor(float(value), device=self.device, dtype=self._dtype)
             if name in self._sums:
-                self._sums[name] += value
+                self._sums[name] += value  # in place, promoted to the sum's dtype: one kernel, no copy
             else:
-                self._sums[name] = value.clone()
+                self._sums[name] = value.to(self._dtype, copy=True)
 
     def running(self, name: str) -> torch.Tensor | None:
         """The running sum ``name`` of the tensors added so far, on the device (no host sync);
