@@ -22,7 +22,7 @@ WHICH ?=
 SPLIT ?=
 DEVICE ?= cuda
 
-.PHONY: help setup lint test eval stress-exit mutation-check bench gpu-check compare export new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test eval stress-exit mutation-check bench bench-peers gpu-check compare export new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path] [RUN=run dir]"
@@ -99,6 +99,9 @@ GPU_CHECK_PY = $(if $(wildcard $(PY)),$(PY),python3)
 
 gpu-check: FORCE ## Every GPU check and figure in one command, recorded in benchmarks/RESULTS.md (ARGS=--quick: checks only; DEVICE=cpu: tiny)
 	$(GPU_CHECK_PY) -m benchmarks.gpu_check --device $(DEVICE) $(ARGS)
+
+bench-peers: FORCE ## On a GPU: timm_imagenet and the ViT-L step side by side with timm's train.py and benchmark.py: TIMM=<pytorch-image-models checkout> [ARGS=--tiny]
+	$(GPU_CHECK_PY) -m benchmarks.peers $(if $(TIMM),--timm "$(TIMM)") $(ARGS)
 
 compare: $(STAMP) ## Table and curves of finished runs: [RUNS="runs/*/*"] [OUT=runs/compare] [ARGS=...]
 	$(PY) -m tools.compare $(or $(RUNS),"runs/*/*") --out "$(or $(OUT),runs/compare)" $(ARGS)

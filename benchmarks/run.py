@@ -127,6 +127,17 @@ def write_results(path: Path, hand: str, sections: dict[str, str], machine: str,
     path.write_text(text)
 
 
+def record_section(name: str, results: list[Result], command: str, seconds: float,
+                   output: Path = RESULTS_FILE) -> None:
+    """Write the table of a benchmark run by its own command (``make bench-peers``) into the results
+    file, keeping every other section as it is."""
+    machine = machine_description()
+    date = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    hand, sections = read_previous(output)
+    sections[name] = render_section(name, f"Measured {date}, `{command}`, on {machine}", results, None, seconds)
+    write_results(output, hand, dict(sorted(sections.items())), machine, command, date)
+
+
 def run_module(name: str, quick: bool) -> tuple[list[Result], str | None]:
     """The module's results and, if it failed, its traceback (what ran before is kept)."""
     try:

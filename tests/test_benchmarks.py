@@ -91,3 +91,41 @@ def test_throughput_from_two_run_lengths_is_exact_when_only_the_first_run_pays_w
         return 5 + 0.1 * steps + (30 if len(runs) == 1 else 0)
 
     assert images_per_second_between(seconds_for_steps, short=20, long=120, batch_size=10) == pytest.approx(100)
+
+
+# ---- make bench-peers: the harness, on the CPU with the stand-in for timm's scripts --------------------
+
+
+def test_a_timm_train_line_is_read_as_its_step_and_data_wait() -> None:
+    from benchmarks.peers import TIMM_LINE
+
+    line = ("Train: 2 [  15/32 ( 50%)]  Loss: 4.12 (4.30)  Time: 0.056s, 4571.43/s  (0.057s, 4491.23/s)  "
+            "LR: 1.000e-01  Data: 0.007 (0.012)")
+    match = TIMM_LINE.search(line)
+    assert (match["epoch"], match["index"], match["per_epoch"], match["time"], match["data"]) == \
+        ("2", "15", "32", "0.056", "0.007")
+
+
+@pytest.mark.slow
+def test_bench_peers_tiny_runs_both_sides_and_reports_every_figure(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    from tests.conftest import REPO, recipe_env
+
+    result = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--tiny", "--out", str(tmp_path)], cwd=REPO,
+                            env=recipe_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "peers.json").read_text())
+    runs = {run["name"]: run for run in report["runs"]}
+    assert set(runs) == {"timm_imagenet", "peer_stand_in.py (stand-in for timm train.py)"}
+    steps = report["settings"]["images"] // report["settings"]["batch"] * report["settings"]["epochs"]
+    for run in runs.values():
+        assert run["steady_images_per_s"] > 0 and 0 < run["seconds_to_fifth_step"] < run["wall_s"]
+        assert 0 <= run["steady_data_wait_frac"] <= 1 and 0 <= run["epoch_start_data_wait_frac"] <= 1
+        covered = [step for window in run["windows"] for step in range(window["first"], window["last"] + 1)]
+        assert covered == list(range(1, steps + 1)), f"{run['name']}: the windows do not tile the run's steps"
+    settings = {row["setting"] for row in report["results"]}
+    assert any(setting.startswith("ViT step, this project's") for setting in settings)
+    assert any(setting.startswith("ViT step, timm peer_stand_in.py") for setting in settings)
+    assert "steady images/s" in result.stdout
