@@ -49,6 +49,14 @@ class Decode(str, Enum):
     gpu = "gpu"  # workers read the files' bytes; the training device decodes (nvjpeg) and crops each batch
 
 
+class ActivationCheckpointing(str, Enum):
+    """What the backward pass computes again instead of keeping (``common/pytorch/activation_checkpointing.py``)."""
+
+    none = "none"
+    blocks = "blocks"  # everything inside each block of the model
+    selective = "selective"  # inside transformer blocks, all but their matrix products and attention
+
+
 class Nonfinite(str, Enum):
     """What a run does when its training loss or gradient norm stops being finite (``common/run.py``)."""
 
@@ -87,6 +95,8 @@ class TrainerConfig:
     # uninterrupted one (same GPU model and software). Off: TF32 matmuls and cuDNN autotuning on CUDA.
     deterministic: bool = False
     channels_last: bool = False
+    # Recompute activations in the backward pass to save memory: none | blocks | selective (transformers).
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     num_workers: int = -1  # DataLoader workers per rank; -1: the CPU cores this rank gets (common.data.loaders)
     nonfinite: Nonfinite = Nonfinite.stop
     rollback_lr_factor: float = 1.0  # rollback: the LR (and its schedule) is multiplied by this at each rollback

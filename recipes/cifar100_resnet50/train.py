@@ -20,6 +20,7 @@ from common.data.image_batches import Normalize
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main
 from common.evaluate import classification_scores, metric_prefix
+from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, warmup_multistep, weight_decay_groups
@@ -37,7 +38,9 @@ SPLITS = ("test",)  # CIFAR-100 has a train and a test split; training evaluates
 
 def model_as_trained(cfg: Cifar100ResNet50Config, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
     """The model as training holds it, before DDP and compile (trained from scratch: no pretrained weights)."""
-    return on_device(build_model(cfg.model), dist_info.device, cfg.trainer.channels_last)
+    model = build_model(cfg.model)
+    checkpoint_blocks(model, cfg.trainer.activation_checkpointing)
+    return on_device(model, dist_info.device, cfg.trainer.channels_last)
 
 
 def evaluator(cfg: Cifar100ResNet50Config, dist_info: DistInfo, split: str) -> Evaluate:

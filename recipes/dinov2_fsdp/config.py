@@ -42,7 +42,6 @@ class ModelConfig:
     weights: str = "data/weights/facebook/dinov2-small"
     image_size: int = 224  # CIFAR images are upsampled to this (a multiple of the patch size)
     features: Features = Features.cls
-    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
 
 
 @dataclass

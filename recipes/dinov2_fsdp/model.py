@@ -174,11 +174,6 @@ def build_model(cfg: ModelConfig, pretrained: bool = True) -> DinoClassifier:
         raise UserError(f"model.image_size={cfg.image_size} is not a multiple of the patch size {patch}")
     if cfg.library == Library.transformers:
         fit_position_table(backbone, cfg.image_size)  # timm's create_model did it for img_size
-    if cfg.activation_checkpointing:
-        if cfg.library == Library.transformers:
-            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            backbone.set_grad_checkpointing(True)
     return DinoClassifier(backbone, cfg.library, cfg.features)
 
 

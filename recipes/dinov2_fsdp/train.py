@@ -26,6 +26,7 @@ from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main
 from common.errors import UserError
 from common.evaluate import metric_prefix, model_outputs
+from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, on_device
 from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
@@ -77,7 +78,9 @@ def model_as_trained(cfg: DinoV2FSDPConfig, dist_info: DistInfo, pretrained: boo
     """The model as training holds it: on the device, sharded with FSDP2 over the ranks (or on one
     rank with ``fsdp.on_one_rank``), in fp32 with FSDP's bf16 policy or whole under autocast."""
     check_settings(cfg, dist_info)
-    model = on_device(build_model(cfg.model, pretrained), dist_info.device, cfg.trainer.channels_last)
+    model = build_model(cfg.model, pretrained)
+    checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, cfg.model.name)
+    model = on_device(model, dist_info.device, cfg.trainer.channels_last)
     if is_sharded(cfg, dist_info):
         shard_with_fsdp(model, cfg.trainer.precision, cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload)
     return model

@@ -17,6 +17,7 @@ from common.data.image_batches import random_crop_and_flip
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main
 from common.evaluate import classification_scores, metric_prefix
+from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
@@ -34,7 +35,9 @@ SPLITS = ("test",)  # Fashion-MNIST has a train and a test split; training evalu
 
 def model_as_trained(cfg: FashionMNISTConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
     """The model as training holds it, before DDP and compile (there are no pretrained weights)."""
-    return on_device(build_model(cfg.model), dist_info.device, cfg.trainer.channels_last)
+    model = build_model(cfg.model)
+    checkpoint_blocks(model, cfg.trainer.activation_checkpointing)
+    return on_device(model, dist_info.device, cfg.trainer.channels_last)
 
 
 def evaluator(cfg: FashionMNISTConfig, dist_info: DistInfo, split: str) -> Evaluate:

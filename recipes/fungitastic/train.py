@@ -24,6 +24,7 @@ from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main
 from common.errors import UserError
 from common.evaluate import metric_prefix, model_outputs
+from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine
@@ -81,6 +82,7 @@ def model_as_trained(cfg: FungiTasticConfig, dist_info: DistInfo, pretrained: bo
     """The model as training holds it, before DDP and compile: one head per level, on the device."""
     num_classes = class_counts(cfg, metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset))
     model = build_model(cfg.model, num_classes, list(cfg.data.levels), cfg.data.image_size, pretrained)
+    checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, cfg.model.name)
     return on_device(model, dist_info.device, cfg.trainer.channels_last)
 
 

@@ -35,6 +35,7 @@ from common.data.staging import stage_directory
 from common.entry import recipe_main
 from common.errors import UserError
 from common.evaluate import classification_scores, metric_prefix
+from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr
@@ -63,6 +64,7 @@ SPLITS = ("val",)  # data.val_split of the ImageFolder tree; ImageNet's test lab
 def model_as_trained(cfg: TimmImageNetConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
     """The model as training holds it, before DDP and compile: one output per class folder."""
     model = build_model(cfg.model, len(class_names(cfg.data)), pretrained)
+    checkpoint_blocks(model, cfg.trainer.activation_checkpointing, cfg.model.name)
     return on_device(model, dist_info.device, cfg.trainer.channels_last)
 
 

@@ -18,6 +18,7 @@ from common.data.loaders import PerSampleSeeded, make_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main
 from common.evaluate import metric_prefix, model_outputs
+from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr
@@ -46,8 +47,10 @@ SPLITS = ("val",)  # data.val_split; VOC's and COCO's test annotations are not p
 
 def model_as_trained(cfg: TvSegmentationConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
     """The model as training holds it, before DDP and compile: BatchNorm synchronised across
-    ranks under DDP (``model.sync_batchnorm``), on the device."""
+    ranks under DDP (``model.sync_batchnorm``), the backbone's activations recomputed in the
+    backward pass with ``trainer.activation_checkpointing``, on the device."""
     model = build_model(cfg.model, pretrained)
+    checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, f"the backbone of {cfg.model.name}")
     if dist_info.distributed and cfg.model.sync_batchnorm:
         model, _ = convert_sync_batchnorm(model)
     return on_device(model, dist_info.device, cfg.trainer.channels_last)
