@@ -152,6 +152,23 @@ class MixupConfig:
 
 
 @dataclass
+class FSDPSettings:
+    """How FSDP2 shards a model (``common/pytorch/fsdp.py``), in every recipe that can shard it."""
+
+    reshard_after_forward: bool = True  # free the gathered weights after forward (less memory, more traffic)
+    # Keep sharded parameters, gradients and optimizer state in host memory (CUDA). The process group
+    # then gets gloo beside nccl: gradient clipping reduces the offloaded shards on the CPU.
+    cpu_offload: bool = False
+
+
+@dataclass
+class FSDPConfig(FSDPSettings):
+    """``fsdp.*`` of a recipe that trains with DDP unless told to shard (timm_imagenet, fungitastic)."""
+
+    enabled: bool = False  # shard with FSDP2 instead of DDP, on one rank too (a process group of one)
+
+
+@dataclass
 class ProfileConfig:
     """``torch.profiler`` traces and CUDA memory snapshots on demand (``common/profiling.py``)."""
 

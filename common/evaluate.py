@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from common.entry import distributed_process, exit_after, fail, user_message
 from common.errors import UserError
 from common.jsonfiles import write_json
 from common.pytorch.distributed import DistInfo, broadcast_buffers
+from common.pytorch.fsdp import is_sharded
 from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics
 from common.pytorch.precision import autocast
 from common.recipes import RecipeSpec, load_recipe
@@ -44,27 +46,47 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+def most_batches(num_samples: int, world_size: int, batch_size: int) -> int:
+    """The batches of the rank that evaluates the most of ``num_samples`` samples (every sample once,
+    ``ResumableDistributedSampler(drop_last=False)``): rank 0's."""
+    return math.ceil(math.ceil(num_samples / world_size) / batch_size)
+
+
 def model_outputs(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, Any]], device: torch.device,
-                  precision: str, channels_last: bool) -> Iterator[tuple[Any, Any]]:
+                  precision: str, channels_last: bool, forwards: int = 0) -> Iterator[tuple[Any, Any]]:
     """The loop of every recipe's evaluation: ``model``'s output for each ``(input, targets)`` of
     ``batches``, in :func:`evaluating`'s block, channels-last where the run trains so, under the
-    run's autocast; the targets are passed through."""
+    run's autocast; the targets are passed through. An FSDP2-sharded model gathers its weights
+    collectively in every forward, so each rank makes ``forwards`` of them (:func:`most_batches`):
+    a rank with fewer batches runs its last input again, its output unused."""
+    last = None
+    made = 0
     with evaluating(model):
         for x, targets in batches:
             if channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
             with autocast(device, precision):
                 output = model(x)
+            last, made = x, made + 1
             yield output, targets
+        if made < forwards and is_sharded(model):
+            if last is None:
+                raise UserError("this rank has no sample of the split to evaluate, and the other ranks' sharded "
+                                "model needs its forward passes: evaluate on fewer ranks")
+            for _ in range(forwards - made):
+                with autocast(device, precision):
+                    model(last)
 
 
 def classification_scores(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                          device: torch.device, precision: str, channels_last: bool, prefix: str) -> dict[str, float]:
+                          device: torch.device, precision: str, channels_last: bool, prefix: str,
+                          forwards: int = 0) -> dict[str, float]:
     """``<prefix>/loss``, ``/top1`` and ``/top5`` over ``batches`` of (input, labels), summed over
-    ranks, each sample counted once (a rank with no batch still joins the reduction)."""
+    ranks, each sample counted once (a rank with no batch still joins the reduction); ``forwards``:
+    see :func:`model_outputs`."""
     sums = SumMetrics(device)
     sums.add(loss=0.0, top1=0, top5=0, count=0)
-    for logits, labels in model_outputs(model, batches, device, precision, channels_last):
+    for logits, labels in model_outputs(model, batches, device, precision, channels_last, forwards):
         add_classification(sums, logits, labels)
     return classification_metrics(sums.reduce(), prefix)
 

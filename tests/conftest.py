@@ -161,6 +161,7 @@ WORKER_GROUPS = {
     "fungitastic": ("test_fungitastic",),
     "cifar100_resnet50": ("test_cifar100_resnet50",),
     "gradient_equivalence": ("test_gradient_equivalence",),
+    "fsdp": ("test_fsdp",),
     "records": ("test_records",),
 }
 _GROUP_OF_MODULE = {module: group for group, modules in WORKER_GROUPS.items() for module in modules}

@@ -380,6 +380,8 @@ RECIPE_CHECKS: dict[str, dict[str, Check]] = {
         "optim.decay_milestones": check("lr schedule", "optim.decay_milestones=[1,2]", context=MULTISTEP),
         "optim.decay_rate": check("lr schedule", "optim.decay_rate=0.5",
                                   context=("optim.sched=step", "optim.decay_epochs=1")),
+        "fsdp.enabled": check("process group", "fsdp.enabled=true"),
+        "fsdp.cpu_offload": check("process group", "fsdp.cpu_offload=true"),
         "optim.loss": check("first loss", "optim.loss=bce"),
         "optim.bce_target_thresh": check("first loss", "optim.bce_target_thresh=0.2", context=("optim.loss=bce",)),
     },
@@ -430,6 +432,8 @@ RECIPE_CHECKS: dict[str, dict[str, Check]] = {
         # the tiny data's classes are balanced, so its class weights are equal: a file that weighs them differently
         "loss.class_weighted_levels": check("first loss", "loss.class_weighted_levels=[species]",
                                             context=("data.prepared_dir={fungi_class_weights}",)),
+        "fsdp.enabled": check("process group", "fsdp.enabled=true"),
+        "fsdp.cpu_offload": check("process group", "fsdp.cpu_offload=true"),
         "optim.betas": check("optimizer", "optim.betas=[0.5,0.9]"),
         "optim.layer_decay": check("optimizer", "optim.layer_decay=0.65"),
     },
@@ -474,6 +478,12 @@ NO_EFFECT_ON_A_CPU: dict[str, str] = {
                                       "(model.pretrained_file, the local copy, is checked)",
     "dinov2_fsdp:fsdp.reshard_after_forward": "FSDP2's memory against all-gather traffic on several ranks: the "
                                               "same numbers by design, and one process does not shard",
+    "timm_imagenet:fsdp.reshard_after_forward": "FSDP2's memory against all-gather traffic: the same numbers by "
+                                                "design, and a pytest process makes no process group to shard in "
+                                                "(FSDP2 trains on 1 and 2 gloo ranks in tests/test_fsdp.py)",
+    "fungitastic:fsdp.reshard_after_forward": "FSDP2's memory against all-gather traffic: the same numbers by "
+                                              "design, and a pytest process makes no process group to shard in "
+                                              "(FSDP2 trains on 1 and 2 gloo ranks in tests/test_fsdp.py)",
     "dinov2_fsdp:fsdp.on_one_rank": "FSDP2 in a process group of one, to check FSDP on one GPU (make gpu-check); "
                                     "the same training by design, and a pytest process makes no process group",
 }
@@ -634,7 +644,14 @@ def batchnorm_on_two_ranks(recipe: str, cfg: Any) -> int:
     return sum(isinstance(module, AllReduceBatchNorm) for module in model.modules())
 
 
-SPECIAL = {"batchnorm on two ranks"}  # observables read from the config alone, without a probe
+def process_group(recipe: str, cfg: Any) -> dict[str, Any]:
+    """What the recipe asks ``init_distributed`` to make (FSDP2 on one rank: a group of one)."""
+    return load_recipe(recipe).process_group(cfg)
+
+
+# observables read from the config alone, without a probe
+SPECIAL: dict[str, Callable[[str, Any], Any]] = {"batchnorm on two ranks": batchnorm_on_two_ranks,
+                                                  "process group": process_group}
 
 
 class KeyProbes:
@@ -726,8 +743,9 @@ def test_changing_a_key_changes_what_it_should(recipe: str, key: str,
     probes = probes_of(recipe, tmp_path_factory)
     if found.observable in SPECIAL:
         configs, resources = probes.configs, probes.resources
-        before = batchnorm_on_two_ranks(recipe, configs(*resources.substitute(found.context)))
-        after = batchnorm_on_two_ranks(recipe, configs(*resources.substitute((*found.context, *found.change))))
+        read = SPECIAL[found.observable]
+        before = read(recipe, configs(*resources.substitute(found.context)))
+        after = read(recipe, configs(*resources.substitute((*found.context, *found.change))))
         assert before != after, f"{recipe}: {' '.join(found.change)} left {found.observable} at {before}"
         return
     kind, read = observable(found.observable)

@@ -433,13 +433,14 @@ def _stage_switch_worker(rank: int, results: Path) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from transformers import Dinov2Model
 
-    from recipes.dinov2_fsdp.model import DinoClassifier, refresh_mixed_precision, shard_with_fsdp
+    from common.pytorch.fsdp import fully_shard_blocks
+    from recipes.dinov2_fsdp.model import DinoClassifier, refresh_mixed_precision
 
     FSDPParamGroup._init_mp_dtypes = _init_mp_dtypes_before_torch_2_14
     for name, probe_forward_first in STAGE_SWITCHES.items():
         torch.manual_seed(0)
         model = DinoClassifier(Dinov2Model(tiny_dinov2_config()), "transformers", "cls")
-        shard_with_fsdp(model, "bf16", reshard_after_forward=True, cpu_offload=False)
+        fully_shard_blocks(model, model.blocks, bf16_parameters=True, reshard_after_forward=True, cpu_offload=False)
         images, labels = torch.randn(4, 3, 28, 28), torch.randint(0, 100, (4,))
         model.set_backbone_trainable(False)
         if probe_forward_first:  # a probe step: FSDP sets its dtypes up with the backbone frozen

@@ -244,8 +244,13 @@ def data_parallel(model: torch.nn.Module, dist_info: DistInfo) -> torch.nn.Modul
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """The backward of an accumulated micro-batch: DDP reduces gradients across ranks only on the
-    step's last one (``sync``)."""
+    """The backward of an accumulated micro-batch: DDP and FSDP2 reduce gradients across ranks only
+    on the step's last one (``sync``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
     if sync or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext()
     return model.no_sync()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from common.config import CheckpointConfig, LoggingConfig, Precision, RunConfig, TrainerConfig
+from common.config import CheckpointConfig, FSDPSettings, LoggingConfig, Precision, RunConfig, TrainerConfig
 
 
 @dataclass
@@ -45,13 +45,9 @@ class ModelConfig:
 
 
 @dataclass
-class FSDPConfig:
+class FSDPConfig(FSDPSettings):
     """Used when there are several ranks; one rank trains the plain module under autocast."""
 
-    reshard_after_forward: bool = True  # free the gathered weights after forward (less memory, more traffic)
-    # Keep sharded parameters, gradients and optimizer state in host memory (CUDA). The process group
-    # then gets gloo beside nccl: gradient clipping reduces the offloaded shards on the CPU.
-    cpu_offload: bool = False
     on_one_rank: bool = False  # shard with FSDP2 on a single rank too (a group of one): checks FSDP on one GPU
 
 

@@ -1,4 +1,4 @@
-"""A DINOv2 backbone (transformers or timm) with a linear head, and its FSDP2 wrapping.
+"""A DINOv2 backbone (transformers or timm) with a linear head, and FSDP2's stage switch.
 
 The backbone comes from transformers' ``Dinov2Model`` (default) or timm's
 ``vit_*_patch14_dinov2``. Both expose the same three things the recipe needs: the final
@@ -193,18 +193,3 @@ def refresh_mixed_precision(model: DinoClassifier) -> None:
         if isinstance(module, FSDPModule):
             module.unshard()
             module.reshard()
-
-
-def shard_with_fsdp(model: DinoClassifier, precision: str, reshard_after_forward: bool, cpu_offload: bool) -> None:
-    """FSDP2 in place: every transformer block is a unit, then the root holds the rest.
-
-    bf16 keeps bf16 parameters for compute and reduces gradients in fp32.
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
-        else MixedPrecisionPolicy()
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    for block in model.blocks:
-        fully_shard(block, mp_policy=mixed, offload_policy=offload, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=mixed, offload_policy=offload, reshard_after_forward=reshard_after_forward)

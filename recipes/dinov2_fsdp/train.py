@@ -27,7 +27,8 @@ from common.entry import recipe_main
 from common.errors import UserError
 from common.evaluate import metric_prefix, model_outputs
 from common.pytorch.activation_checkpointing import checkpoint_blocks
-from common.pytorch.distributed import DistInfo, on_device
+from common.pytorch.distributed import DistInfo, gradient_sync, on_device
+from common.pytorch.fsdp import fully_shard_blocks, process_group_options
 from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
 from common.pytorch.precision import autocast
@@ -37,7 +38,7 @@ from common.run import TrainingRun
 from common.steps import EpochTail, StepPlan, compile_static
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig
 from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
-from recipes.dinov2_fsdp.model import build_model, refresh_mixed_precision, shard_with_fsdp
+from recipes.dinov2_fsdp.model import build_model, refresh_mixed_precision
 
 
 class Stage(str, Enum):
@@ -81,8 +82,9 @@ def model_as_trained(cfg: DinoV2FSDPConfig, dist_info: DistInfo, pretrained: boo
     model = build_model(cfg.model, pretrained)
     checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, cfg.model.name)
     model = on_device(model, dist_info.device, cfg.trainer.channels_last)
-    if is_sharded(cfg, dist_info):
-        shard_with_fsdp(model, cfg.trainer.precision, cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload)
+    if is_sharded(cfg, dist_info):  # bf16 parameters for compute, fp32 gradient reductions
+        fully_shard_blocks(model, model.blocks, bf16_parameters=cfg.trainer.precision == "bf16",
+                           reshard_after_forward=cfg.fsdp.reshard_after_forward, cpu_offload=cfg.fsdp.cpu_offload)
     return model
 
 
@@ -124,7 +126,7 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
 
 def process_group(cfg: DinoV2FSDPConfig) -> dict[str, bool]:
     """The process group FSDP needs: gloo beside nccl for CPU offload, a group even of one rank."""
-    return {"cpu_collectives": cfg.fsdp.cpu_offload, "group_of_one": cfg.fsdp.on_one_rank}
+    return process_group_options(cfg.fsdp.on_one_rank, cfg.fsdp.cpu_offload)
 
 
 def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
@@ -211,12 +213,11 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
                 if cfg.trainer.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
                 y = train_labels[batch]
-                if sharded:
-                    model.set_requires_gradient_sync(i == len(group) - 1)
-                with autocast(device, precision):
-                    logits = model(x).float()
-                loss = F.cross_entropy(logits, y, label_smoothing=cfg.optim.label_smoothing)
-                (loss * (len(batch) / group.samples)).backward()
+                with gradient_sync(model, i == len(group) - 1):
+                    with autocast(device, precision):
+                        logits = model(x).float()
+                    loss = F.cross_entropy(logits, y, label_smoothing=cfg.optim.label_smoothing)
+                    (loss * (len(batch) / group.samples)).backward()
                 train_sums.add(loss=loss.detach() * len(batch), top1=(logits.argmax(1) == y).sum(), count=len(batch))
             grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
             optimizer.step()

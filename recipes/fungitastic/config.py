@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from common.config import CheckpointConfig, Decode, LoggingConfig, Precision, RunConfig, TrainerConfig
+from common.config import CheckpointConfig, Decode, FSDPConfig, LoggingConfig, Precision, RunConfig, TrainerConfig
 
 DEFAULT_LEVELS = ["species", "genus", "family", "order", "class", "phylum"]
 
@@ -74,6 +74,7 @@ class FungiTasticConfig(RunConfig):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # off: DDP across ranks
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(epochs=30, batch_size=64, eval_batch_size=128,
                                                                          precision=Precision.bf16))

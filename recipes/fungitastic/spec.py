@@ -20,7 +20,7 @@ from common.recipes import RecipeSpec
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import FungiTasticConfig, ModelConfig
 from recipes.fungitastic.model import build_model, input_normalization, size_kwargs
-from recipes.fungitastic.train import SPLITS, SplitEvaluation, class_counts, model_as_trained
+from recipes.fungitastic.train import SPLITS, SplitEvaluation, class_counts, model_as_trained, process_group
 
 
 def export_names(model_cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -65,4 +65,5 @@ SPEC = RecipeSpec(
     export_metadata=export_metadata,
     model_from_export=model_from_export,
     export_files={"level_heads.": "level_heads.safetensors"},
+    process_group=process_group,
 )

@@ -23,9 +23,10 @@ from common.data.loaders import PerSampleSeeded, make_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main
 from common.errors import UserError
-from common.evaluate import metric_prefix, model_outputs
-from common.pytorch.activation_checkpointing import checkpoint_blocks
+from common.evaluate import metric_prefix, model_outputs, most_batches
+from common.pytorch.activation_checkpointing import checkpoint_blocks, residual_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.pytorch.fsdp import check_fsdp_settings, fully_shard_blocks, process_group_options
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine
 from common.pytorch.precision import autocast, grad_scaler
@@ -79,11 +80,24 @@ def class_counts(cfg: FungiTasticConfig, mappings: dict) -> dict[str, int]:
 
 
 def model_as_trained(cfg: FungiTasticConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
-    """The model as training holds it, before DDP and compile: one head per level, on the device."""
+    """The model as training holds it, before DDP and compile: one head per level, on the device,
+    sharded with FSDP2 (each backbone block a unit) under ``fsdp.enabled``."""
+    check_fsdp_settings(cfg.fsdp.enabled, cfg.fsdp.cpu_offload, dist_info.device, cfg.trainer.precision)
     num_classes = class_counts(cfg, metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset))
     model = build_model(cfg.model, num_classes, list(cfg.data.levels), cfg.data.image_size, pretrained)
     checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, cfg.model.name)
-    return on_device(model, dist_info.device, cfg.trainer.channels_last)
+    # FSDP2 shards contiguous tensors only: under it the weights keep PyTorch's layout (the inputs are still
+    # channels-last with trainer.channels_last, and the convolutions compute in that layout).
+    model = on_device(model, dist_info.device, cfg.trainer.channels_last and not cfg.fsdp.enabled)
+    if cfg.fsdp.enabled:  # fp32 parameters: trainer.precision's autocast computes as it does under DDP
+        fully_shard_blocks(model, residual_blocks(model.backbone), bf16_parameters=False,
+                           reshard_after_forward=cfg.fsdp.reshard_after_forward, cpu_offload=cfg.fsdp.cpu_offload)
+    return model
+
+
+def process_group(cfg: FungiTasticConfig) -> dict[str, bool]:
+    """The process group FSDP2 needs (``fsdp.enabled``): a group even of one rank."""
+    return process_group_options(cfg.fsdp.enabled, cfg.fsdp.cpu_offload)
 
 
 class SplitEvaluation:
@@ -112,12 +126,14 @@ class SplitEvaluation:
         self.loader = make_loader(images, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
                                   dist_info.device.type == "cuda", generator=torch.Generator())
         self.normalize = Normalize(*input_normalization(cfg.model, cfg.data.image_size), dist_info.device)
+        self.forwards = most_batches(len(self.files.paths), dist_info.world_size, cfg.trainer.eval_batch_size)
 
     def __call__(self, model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
         cfg, device, levels = self.cfg, self.dist_info.device, self.levels
         metrics = TaxonomyMetrics(self.heads, self.parents, device)
         batches = ((self.normalize(batch), labels.to(device, non_blocking=True)) for batch, labels in self.loader)
-        for outputs, labels in model_outputs(model, batches, device, cfg.trainer.precision, cfg.trainer.channels_last):
+        for outputs, labels in model_outputs(model, batches, device, cfg.trainer.precision, cfg.trainer.channels_last,
+                                             self.forwards):
             outputs = {level: logits.float() for level, logits in outputs.items()}
             metrics.add_loss(self.criterion(outputs, labels, training=False), len(labels))
             for column, level in enumerate(levels):
@@ -160,8 +176,11 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
 
     # ---- model ---------------------------------------------------------------------------------
     model = model_as_trained(cfg, dist_info)
-    ddp_model = data_parallel(model, dist_info)
-    forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
+    ddp_model = model if cfg.fsdp.enabled else data_parallel(model, dist_info)
+    forward = compile_static(ddp_model) if cfg.trainer.compile and not cfg.fsdp.enabled else ddp_model
+    if cfg.trainer.compile and cfg.fsdp.enabled:  # each block's forward; FSDP's hooks around it stay eager
+        for block in residual_blocks(model.backbone):
+            block.forward = compile_static(block.forward)
 
     # ---- loaders: workers draw each sample's augmentation, seeded per (seed, epoch, index), and
     # decode and crop it (data.decode=cpu) or leave that to the device (gpu); normalised on the device
@@ -187,8 +206,10 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     train_sums = SumMetrics(device)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run.py) ---------
+    # Under fsdp.enabled the model and optimizer state are saved as each rank's shards
+    # (torch.distributed.checkpoint), so a run resumes on another number of ranks.
     run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums)
+                                  scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled)
     progress = run.resume()
     splits = [train_files, *(evaluate.files for evaluate in evaluators.values())]
     for files in splits:
@@ -203,7 +224,8 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
         run.console(f"pretrained {model.pretrained_parts} from {cfg.model.pretrained}")
     run.console(
         f"fungitastic: {cfg.model.name} with heads {', '.join(f'{r} ({num_classes[r]})' for r in levels)} on "
-        f"{dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, lr {lr:g}, {plan.total} steps; images "
+        f"{dist_info.world_size} rank(s) on {device.type}{' with FSDP2' if cfg.fsdp.enabled else ''}, "
+        f"{plan.describe()}, lr {lr:g}, {plan.total} steps; images "
         f"decoded on {cfg.data.decode.value} by {train_loader.num_workers} loader workers per rank"
     )
 
@@ -257,4 +279,4 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(FungiTasticConfig, train)  # overrides from the command line; train() in a training process
+    recipe_main(FungiTasticConfig, train, process_group)  # overrides from the command line; train() in a process

@@ -16,6 +16,7 @@ from common.config import (
     CheckpointConfig,
     Decode,
     EmaConfig,
+    FSDPConfig,
     LoggingConfig,
     LRScaling,
     MixupConfig,
@@ -101,6 +102,7 @@ class TimmImageNetConfig(RunConfig):
     mixup: MixupConfig = field(default_factory=MixupConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # off: DDP across ranks
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
         epochs=90, lr_scaling=LRScaling.linear, precision=Precision.bf16, channels_last=True, log_every_steps=100))

@@ -19,7 +19,7 @@ from common.recipes import RecipeSpec
 from recipes.timm_imagenet.config import ModelConfig, TimmImageNetConfig
 from recipes.timm_imagenet.data import class_names, resolve
 from recipes.timm_imagenet.model import build_model
-from recipes.timm_imagenet.train import SPLITS, evaluator, model_as_trained
+from recipes.timm_imagenet.train import SPLITS, evaluator, model_as_trained, process_group
 
 
 def export_metadata(cfg: TimmImageNetConfig) -> dict[str, Any]:
@@ -49,4 +49,5 @@ SPEC = RecipeSpec(
     head_names=lambda model_cfg: [f"{name}." for name in timm_classifiers(model_cfg.name)],
     export_metadata=export_metadata,
     model_from_export=model_from_export,
+    process_group=process_group,
 )

@@ -34,9 +34,10 @@ from common.data.sampler import ResumableDistributedSampler
 from common.data.staging import stage_directory
 from common.entry import recipe_main
 from common.errors import UserError
-from common.evaluate import classification_scores, metric_prefix
-from common.pytorch.activation_checkpointing import checkpoint_blocks
+from common.evaluate import classification_scores, metric_prefix, most_batches
+from common.pytorch.activation_checkpointing import checkpoint_blocks, residual_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.pytorch.fsdp import check_fsdp_settings, fully_shard_blocks, process_group_options
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr
 from common.pytorch.precision import autocast, grad_scaler
@@ -62,10 +63,23 @@ SPLITS = ("val",)  # data.val_split of the ImageFolder tree; ImageNet's test lab
 
 
 def model_as_trained(cfg: TimmImageNetConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
-    """The model as training holds it, before DDP and compile: one output per class folder."""
+    """The model as training holds it, before DDP and compile: one output per class folder, sharded
+    with FSDP2 (each block a unit) under ``fsdp.enabled``."""
+    check_fsdp_settings(cfg.fsdp.enabled, cfg.fsdp.cpu_offload, dist_info.device, cfg.trainer.precision)
     model = build_model(cfg.model, len(class_names(cfg.data)), pretrained)
     checkpoint_blocks(model, cfg.trainer.activation_checkpointing, cfg.model.name)
-    return on_device(model, dist_info.device, cfg.trainer.channels_last)
+    # FSDP2 shards contiguous tensors only: under it the weights keep PyTorch's layout (the inputs are still
+    # channels-last with trainer.channels_last, and the convolutions compute in that layout).
+    model = on_device(model, dist_info.device, cfg.trainer.channels_last and not cfg.fsdp.enabled)
+    if cfg.fsdp.enabled:  # fp32 parameters: trainer.precision's autocast computes as it does under DDP
+        fully_shard_blocks(model, residual_blocks(model), bf16_parameters=False,
+                           reshard_after_forward=cfg.fsdp.reshard_after_forward, cpu_offload=cfg.fsdp.cpu_offload)
+    return model
+
+
+def process_group(cfg: TimmImageNetConfig) -> dict[str, bool]:
+    """The process group FSDP2 needs (``fsdp.enabled``): a group even of one rank."""
+    return process_group_options(cfg.fsdp.enabled, cfg.fsdp.cpu_offload)
 
 
 def evaluator(cfg: TimmImageNetConfig, dist_info: DistInfo, split: str) -> Evaluate:
@@ -82,11 +96,12 @@ def evaluator(cfg: TimmImageNetConfig, dist_info: DistInfo, split: str) -> Evalu
     loader = make_loader(images, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
                          dist_info.device.type == "cuda")
     normalize = Normalize(eval_config["mean"], eval_config["std"], dist_info.device)
+    forwards = most_batches(len(images), dist_info.world_size, cfg.trainer.eval_batch_size)
 
     def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
         batches = ((normalize(batch), labels.to(dist_info.device, non_blocking=True)) for batch, labels in loader)
         return classification_scores(model, batches, dist_info.device, cfg.trainer.precision,
-                                     cfg.trainer.channels_last, metric_prefix(of_ema))
+                                     cfg.trainer.channels_last, metric_prefix(of_ema), forwards)
 
     return evaluate
 
@@ -128,9 +143,15 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
                                cfg.data.decode, cfg.data.draft_decode)
     train_input = DeviceTrainInput(augmentation, cfg.data.decode, train_config["mean"], train_config["std"], device,
                                    random_erasing(cfg.data, device))
+    if cfg.ema.enabled and cfg.fsdp.enabled:
+        raise UserError("ema.enabled keeps a whole copy of the weights on every rank, which fsdp.enabled shards: "
+                        "turn one of them off")
     ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
-    ddp_model = data_parallel(model, dist_info)
-    forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
+    ddp_model = model if cfg.fsdp.enabled else data_parallel(model, dist_info)
+    forward = compile_static(ddp_model) if cfg.trainer.compile and not cfg.fsdp.enabled else ddp_model
+    if cfg.trainer.compile and cfg.fsdp.enabled:  # each block's forward; FSDP's hooks around it stay eager
+        for block in residual_blocks(model):
+            block.forward = compile_static(block.forward)
 
     # ---- samplers, loaders, steps: full micro-batches only, as in timm (BatchNorm) -------------
     mixing = cfg.mixup.mixup_alpha > 0 or cfg.mixup.cutmix_alpha > 0
@@ -171,15 +192,18 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     train_sums = SumMetrics(device)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run.py) ---------
+    # Under fsdp.enabled the model and optimizer state are saved as each rank's shards
+    # (torch.distributed.checkpoint), so a run resumes on another number of ranks.
     run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums,
+                                  scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled,
                                   extra_state={"ema": ema.module} if ema is not None else None)
     progress = run.resume()
     run.console(
         f"timm_imagenet: {cfg.model.name}, {num_classes} classes, {len(train_images)} train images from {root}\n"
         f"  train {describe_input(train_config, with_crop=False)} decoded on {cfg.data.decode.value}, eval "
         f"{describe_input(eval_config, with_crop=True)}, {train_loader.num_workers} loader workers per rank\n"
-        f"  {dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, {cfg.optim.opt} lr {lr:g}, "
+        f"  {dist_info.world_size} rank(s) on {device.type}{' with FSDP2' if cfg.fsdp.enabled else ''}, "
+        f"{plan.describe()}, {cfg.optim.opt} lr {lr:g}, "
         f"{plan.total} steps"
     )
 
@@ -230,4 +254,4 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(TimmImageNetConfig, train)  # overrides from the command line; train() in a training process
+    recipe_main(TimmImageNetConfig, train, process_group)  # overrides from the command line; train() in a process
