@@ -87,9 +87,9 @@ def probed_after_step(on_step: Callable[[int], None]) -> Callable[..., Decision]
     """The run contract's cadence check with a probe that runs first, at every step's end."""
     after_step = CheckpointCadence.after_step
 
-    def probed(cadence: CheckpointCadence, step: int, nonfinite: Callable[[], int]) -> Decision:
+    def probed(cadence: CheckpointCadence, step: int, nonfinite: Callable[[], int], micro_batch: int) -> Decision:
         on_step(step)
-        return after_step(cadence, step, nonfinite)
+        return after_step(cadence, step, nonfinite, micro_batch)
 
     return probed
 
@@ -213,7 +213,7 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int, l
                         **telemetry.report(1, None, None)}, step)
             sums.reset()
         watch.observe(step, sums.running("loss"))
-        cadence.after_step(step, watch.poll)
+        cadence.after_step(step, watch.poll, batch_size)
     synchronize(device)
     elapsed = time.perf_counter() - start
     stop_signals.restore()

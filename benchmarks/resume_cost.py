@@ -51,7 +51,7 @@ import importlib.util, runpy
 exit_after, steps_seen = int(sys.argv[1]), 0
 
 class FirstStepProbe(CheckpointCadence):
-    def after_step(self, step, nonfinite):
+    def after_step(self, step, nonfinite, micro_batch):
         global steps_seen
         steps_seen += 1
         if steps_seen == 1:
@@ -60,7 +60,7 @@ class FirstStepProbe(CheckpointCadence):
             print(f"FIRST_STEP_DONE {{time.time()!r}}", flush=True)
         if steps_seen >= exit_after:
             os._exit(0)
-        return super().after_step(step, nonfinite)
+        return super().after_step(step, nonfinite, micro_batch)
 
 common.run.CheckpointCadence = FirstStepProbe
 sys.argv = [importlib.util.find_spec("recipes.{recipe}.train").origin, *sys.argv[2:]]

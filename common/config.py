@@ -57,6 +57,14 @@ class ActivationCheckpointing(str, Enum):
     selective = "selective"  # inside transformer blocks, all but their matrix products and attention
 
 
+class OutOfMemory(str, Enum):
+    """What a run does when CUDA runs out of memory in a step's forward or backward pass
+    (``common/out_of_memory.py``)."""
+
+    stop = "stop"  # one line naming the step and a smaller trainer.batch_size to try; exit code 2
+    halve = "halve"  # redo the step with half the micro-batch, the global batch kept by accumulation
+
+
 class Nonfinite(str, Enum):
     """What a run does when its training loss or gradient norm stops being finite (``common/run.py``)."""
 
@@ -98,6 +106,9 @@ class TrainerConfig:
     # Recompute activations in the backward pass to save memory: none | blocks | selective (transformers).
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     num_workers: int = -1  # DataLoader workers per rank; -1: the CPU cores this rank gets (common.data.loaders)
+    # stop: one line and exit 2. halve: redo the step with half the micro-batch (the global batch kept), as long
+    # as it runs out, down to one sample; the size in use is checkpointed and kept on the same GPU model.
+    out_of_memory: OutOfMemory = OutOfMemory.stop
     nonfinite: Nonfinite = Nonfinite.stop
     rollback_lr_factor: float = 1.0  # rollback: the LR (and its schedule) is multiplied by this at each rollback
     max_rollbacks: int = 3  # rollback: after this many, a non-finite step stops the run as with stop

@@ -251,7 +251,7 @@ def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]
             raise
         except torch.OutOfMemoryError as error:
             raise out_of_memory_error(error, cfg.run_dir, dist_info, cfg.trainer.batch_size,
-                                      cfg.trainer.global_batch_size) from error
+                                      cfg.trainer.global_batch_size, cfg.trainer.out_of_memory.value) from error
 
 
 def _record_config(cfg: RunConfig) -> Path:

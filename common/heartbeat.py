@@ -41,6 +41,7 @@ OPTIMIZER = "optimizer step"
 AFTER_STEP = "after the step"  # the recipe's logging (a metric all-reduce every trainer.log_every_steps)
 CADENCE = "checkpoint cadence (all_gather)"
 FINITE_CHECK = "finite check (all_gather)"
+OUT_OF_MEMORY = "out-of-memory check (all_gather)"  # trainer.out_of_memory=halve: did every rank run out here?
 SAVE = "checkpoint save"
 LOAD = "checkpoint load"
 EVALUATION = "evaluation"

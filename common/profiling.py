@@ -149,10 +149,13 @@ def smaller_batch(batch_size: int, per_rank_global: int) -> int | None:
 
 
 def out_of_memory_error(error: torch.OutOfMemoryError, run_dir: str | Path, dist_info: DistInfo,
-                        batch_size: int, global_batch_size: int) -> UserError:
+                        batch_size: int, global_batch_size: int, out_of_memory: str = "stop",
+                        micro_batch: int | None = None) -> UserError:
     """The one-line error an out-of-memory error in the loop becomes: where it happened, the
-    memory snapshot (dumped now when ``profile.memory_on_oom`` recorded the history), and a
-    smaller ``trainer.batch_size`` with ``trainer.global_batch_size`` kept."""
+    memory snapshot (dumped now when ``profile.memory_on_oom`` recorded the history), and what to
+    try: a smaller ``trainer.batch_size`` with ``trainer.global_batch_size`` kept, or
+    ``trainer.out_of_memory=halve``. Under ``halve`` (``out_of_memory``), ``micro_batch`` is the
+    micro-batch the run had halved down to, when the error came in a step's forward or backward pass."""
     global_batch = global_batch_size or batch_size * dist_info.world_size
     step = _current.step_in_progress if _current is not None else None
     where = f"in optimizer step {step}" if step is not None else "outside a training step"
@@ -166,10 +169,19 @@ def out_of_memory_error(error: torch.OutOfMemoryError, run_dir: str | Path, dist
         line += f"; memory snapshot: {snapshot} ({_MEMORY_VIEWER})"
     elif dist_info.device.type == "cuda":
         line += "; profile.memory_on_oom=true would save a memory snapshot of it"
+    if out_of_memory == "halve":
+        if micro_batch is not None:
+            line += (f"; trainer.out_of_memory=halve cut trainer.batch_size={batch_size} down to micro-batches of "
+                     f"{micro_batch} sample(s), which do not fit either: recompute activations "
+                     f"(trainer.activation_checkpointing) or shard the model (FSDP2) to save memory")
+        else:
+            line += ("; trainer.out_of_memory=halve redoes a step whose forward or backward pass runs out, and this "
+                     "error came elsewhere (the optimizer step, an evaluation: trainer.eval_batch_size)")
+        return UserError(line)
     smaller = smaller_batch(batch_size, global_batch // dist_info.world_size)
     if smaller is not None:
         line += (f"; try trainer.batch_size={smaller} trainer.global_batch_size={global_batch} (gradient "
-                 f"accumulation keeps the global batch)")
+                 f"accumulation keeps the global batch), or let the run halve it (trainer.out_of_memory=halve)")
     else:
         line += f"; trainer.batch_size={batch_size} is the smallest micro-batch for the global batch {global_batch}"
     return UserError(line)

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
+import math
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -46,10 +48,18 @@ from common.data.sampler import ResumableDistributedSampler
 from common.divergence import NONE, NonfiniteWatch, all_finite, scale_learning_rate
 from common.errors import EXIT_DIVERGED, Diverged, Preempted, UserError
 from common.loggers import RunLogger
-from common.profiling import StepProfiler
+from common.out_of_memory import (
+    StepStart,
+    check_can_halve,
+    communicates_in_forward,
+    device_description,
+    drop_gradients,
+    halved,
+)
+from common.profiling import StepProfiler, out_of_memory_error
 from common.provenance import bit_identity_differences, segment_record
 from common.pytorch import distributed
-from common.pytorch.distributed import DistInfo
+from common.pytorch.distributed import DistInfo, all_reduce_gradients
 from common.pytorch.metrics import SumMetrics
 from common.pytorch.rng import rng_state, set_rng_state
 from common.search_trial import SearchTrial
@@ -82,6 +92,11 @@ class Progress:
     # train/mfu: the model's FLOPs per sample in a training step, counted on the run's first step (again
     # after a new optimizer: dinov2's stage switch); kept, so a resumed run counts nothing.
     flops_per_sample: float | None = None
+    # trainer.out_of_memory=halve: the micro-batch in use at the last save (0: trainer.batch_size), the device and
+    # number of ranks it was found on (a resume elsewhere tries trainer.batch_size again), and one record per halving.
+    micro_batch_size: int = 0
+    micro_batch_found_on: str = ""
+    out_of_memory: list[dict[str, Any]] = field(default_factory=list)
 
     def describe(self) -> str:
         """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""
@@ -153,6 +168,7 @@ class Decision:
     stop: bool
     nonfinite_step: int = NONE  # the first step some rank knows to be non-finite (NONE: none)
     nonfinite_ranks: tuple[int, ...] = ()
+    micro_batches: tuple[int, ...] = ()  # each rank's micro-batch (trainer.out_of_memory=halve), where they agreed
 
 
 class CheckpointCadence:
@@ -186,15 +202,16 @@ class CheckpointCadence:
     def saved(self) -> None:
         self.last_save = time.monotonic()
 
-    def after_step(self, step: int, nonfinite: Callable[[], int]) -> Decision:
+    def after_step(self, step: int, nonfinite: Callable[[], int], micro_batch: int) -> Decision:
         """``nonfinite()``: the first non-finite step this rank knows of (NONE: none), read only
-        where the ranks agree (a :meth:`common.divergence.NonfiniteWatch.poll`)."""
+        where the ranks agree (a :meth:`common.divergence.NonfiniteWatch.poll`); ``micro_batch``:
+        the micro-batch this rank uses, which the ranks compare there too."""
         by_steps = self.every_steps > 0 and step % self.every_steps == 0
         if step % self.sync_every_steps != 0:
             return Decision(save=by_steps, stop=False)
         due = self.every_seconds > 0 and time.monotonic() - self.last_save >= self.every_seconds
         stop = self.stop_signals.raised
-        rows = [[float(due), float(stop), float(nonfinite())]]
+        rows = [[float(due), float(stop), float(nonfinite()), float(micro_batch)]]
         if self.distributed:
             mine = torch.tensor(rows[0], dtype=torch.float64)
             gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -204,10 +221,21 @@ class CheckpointCadence:
         due, stop = any(row[0] > 0 for row in rows), any(row[1] > 0 for row in rows)
         bad = {rank: int(row[2]) for rank, row in enumerate(rows) if row[2] != NONE}
         return Decision(save=by_steps or due or stop, stop=stop, nonfinite_step=min(bad.values(), default=NONE),
-                        nonfinite_ranks=tuple(sorted(bad)))
+                        nonfinite_ranks=tuple(sorted(bad)), micro_batches=tuple(int(row[3]) for row in rows))
 
 
 # ---- the run ------------------------------------------------------------------------------------
+
+
+def _merged_halvings(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Several ranks' records of halved micro-batches (:attr:`Progress.out_of_memory`) as one list,
+    a halving of several ranks once, with all of them."""
+    merged: dict[tuple[int, int], dict[str, Any]] = {}
+    for records in per_rank:
+        for record in records:
+            kept = merged.setdefault((record["step"], record["micro_batch_size"]), {**record, "ranks": []})
+            kept["ranks"] = sorted(set(kept["ranks"]) | set(record["ranks"]))
+    return [merged[key] for key in sorted(merged)]
 
 
 def _merged_sums(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -240,6 +268,8 @@ class TrainingRun:
     and ``deterministic`` are the ``trainer`` node's (:meth:`clip_grad_norm`, the telemetry of
     :meth:`log_train`, the provenance check of :meth:`resume`); ``profile`` the ``profile`` node.
     ``compile_cache`` (with ``trainer.compile``) is saved with every checkpoint and restored on resume.
+    ``out_of_memory`` is ``trainer.out_of_memory`` (``halve``: :meth:`steps` hands a step that ran out of
+    memory out again with half the micro-batch, ``common/out_of_memory.py``).
     """
 
     def __init__(
@@ -278,6 +308,7 @@ class TrainingRun:
         deterministic: bool = False,
         profile: ProfileConfig | None = None,
         compile_cache: CompileCache | None = None,
+        out_of_memory: str = "stop",
     ) -> None:
         self.dist_info = dist_info
         self.plan = plan
@@ -309,6 +340,16 @@ class TrainingRun:
         self.deterministic = deterministic
         self.profile = profile or ProfileConfig()
         self.compile_cache = compile_cache
+        self.out_of_memory = out_of_memory
+        self.micro_batch = plan.micro_batch  # in use: trainer.batch_size, or less once halved
+        self._device_key = device_description(dist_info.device, dist_info.world_size)
+        halve = out_of_memory == "halve"
+        if halve:
+            check_can_halve(model)
+        self._step_start = StepStart(model, train_sums, dist_info.device) if halve else None
+        self._reduces_gradients = halve and dist_info.distributed and not sharded  # common.pytorch.distributed
+        self._in_forward_backward = False  # inside a step, before its gradients are reduced, clipped or applied
+        self._redo = False  # the step that was just handed out ran out of memory: hand it out again
         self.watch = NonfiniteWatch(dist_info.device)
         self.telemetry = StepTelemetry(dist_info.device, precision)
         self._progress = Progress()
@@ -354,7 +395,8 @@ class TrainingRun:
                    max_rollbacks=cfg.trainer.max_rollbacks, log_every_steps=cfg.trainer.log_every_steps,
                    grad_clip_norm=cfg.trainer.grad_clip_norm, precision=cfg.trainer.precision.value,
                    deterministic=cfg.trainer.deterministic, profile=cfg.profile, compile_cache=compile_cache,
-                   search_trial=SearchTrial.from_environment(), **objects)
+                   out_of_memory=cfg.trainer.out_of_memory.value, search_trial=SearchTrial.from_environment(),
+                   **objects)
 
     @property
     def progress(self) -> Progress:
@@ -392,6 +434,7 @@ class TrainingRun:
         self.logger = self.open_logger(self.progress.step)
         if self.loaded is not None:
             self.console(f"resumed from {self.loaded.path} ({self.progress.describe()})")
+            self._resume_micro_batch()
             if self.compile_cache is not None:
                 self.console(self.compile_cache.restore(self.loaded))
             if self.init_from:
@@ -408,6 +451,23 @@ class TrainingRun:
         # (dinov2_fsdp makes the one of the stage the progress says), and a save needs it.
         self._save_before_next_step = self.nonfinite == "rollback" and self.loaded is None
         return self.progress
+
+    def _resume_micro_batch(self) -> None:
+        """Go on with the micro-batch the run had halved to where it was found to fit (the same GPU
+        model and memory, the same number of ranks); elsewhere (a larger GPU, say) try
+        ``trainer.batch_size`` again."""
+        saved, progress = self.progress.micro_batch_size, self.progress
+        if not saved or saved >= self.plan.micro_batch:
+            return
+        if self.out_of_memory == "halve" and progress.micro_batch_found_on == self._device_key:
+            self.micro_batch = saved
+            self.console(f"micro-batches of {saved} (trainer.batch_size={self.plan.micro_batch} halved after running "
+                         f"out of memory on {self._device_key}): each batch is cut in "
+                         f"{math.ceil(self.plan.micro_batch / saved)}, the global batch kept")
+            return
+        self.console(f"trainer.batch_size={self.plan.micro_batch} again: the run had halved it to {saved} on "
+                     f"{progress.micro_batch_found_on}, and runs on {self._device_key} now")
+        progress.micro_batch_size, progress.micro_batch_found_on = 0, ""
 
     def _record_provenance(self) -> None:
         """Record this segment (``common/provenance.py``; collective). With ``trainer.deterministic``, say
@@ -499,7 +559,7 @@ class TrainingRun:
         from was saved with (a recipe that chooses its optimizer by the progress :meth:`resume`
         returned): load their state."""
         if optimizer is not None and optimizer is not self.optimizer:
-            optimizer.register_step_pre_hook(lambda *_: heartbeat.enter(heartbeat.OPTIMIZER))
+            optimizer.register_step_pre_hook(self._optimizer_stepping)
         self.optimizer, self.scheduler = optimizer, scheduler
         if restore and self.loaded is not None:
             self._restore_optimizer(self.loaded)
@@ -507,6 +567,12 @@ class TrainingRun:
             self.progress.flops_per_sample = None  # what a step trains changed: count its FLOPs again
             # A rollback from here on must find a checkpoint of this optimizer (dinov2's fine-tune).
             self._save_before_next_step = self.nonfinite == "rollback" and self.logger is not None
+
+    def _optimizer_stepping(self, *_: Any) -> None:
+        """Before an optimizer step: past the step's forward and backward passes (an out-of-memory
+        error is no longer retried: the weights may change)."""
+        self._in_forward_backward = False
+        heartbeat.enter(heartbeat.OPTIMIZER)
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -530,17 +596,30 @@ class TrainingRun:
         self._bar = self.logger.progress(plan.per_epoch, initial=plan.per_epoch - plan.steps_left(),
                                          description=f"epoch {progress.epoch + 1}/{plan.epochs}{extra}")
         try:
-            for group in plan.groups(self.telemetry.batches(micro_batches)):
+            for group in plan.groups(self.telemetry.batches(micro_batches), keep=self._step_start is not None):
+                group.size = self.micro_batch
                 step = progress.step
                 self.profiler.step_starting(step + 1)
                 if progress.flops_per_sample is None and self._flop_count is None:
                     self._flop_count = FlopCount()
+                if self._step_start is not None:
+                    self._step_start.take()
+                    group.on_error = self._out_of_memory
+                if self._reduces_gradients:
+                    group.after_last = self._reduce_gradients
+                self._in_forward_backward = True
                 yield group
+                while self._redo:
+                    self._redo_step(group, step + 1)
+                    self._in_forward_backward = True
+                    yield group
+                self._in_forward_backward = False
                 if progress.step != step + 1:
                     raise RuntimeError("the loop must call run.step_done() once after each optimizer step")
                 if progress.step >= plan.total:
                     return  # the finish saves the last step
-                decision = self.cadence.after_step(progress.step, self.watch.poll)
+                decision = self.cadence.after_step(progress.step, self.watch.poll, self.micro_batch)
+                self._agree_on_micro_batch(decision.micro_batches)
                 if decision.nonfinite_step != NONE or decision.save:
                     if not self._finite_or_handled():
                         return  # rolled back: the caller's loop goes on from where the sampler now is
@@ -555,12 +634,91 @@ class TrainingRun:
             self._bar.close()
             self._bar = None
 
+    # ---- trainer.out_of_memory=halve (common/out_of_memory.py) ----------------------------------
+
+    def _out_of_memory(self, error: BaseException) -> bool:
+        """A step's ``with group:`` ended in ``error``: True (swallow it, the step is handed out again
+        by :meth:`steps`) for an out-of-memory error in its forward or backward passes while the
+        micro-batch can still be halved; a one-line error once it is down to one sample."""
+        if not isinstance(error, torch.OutOfMemoryError) or not self._in_forward_backward:
+            return False
+        self._in_forward_backward = False
+        if self.micro_batch == 1:
+            raise out_of_memory_error(error, self.run_dir, self.dist_info, self.plan.micro_batch, 0, "halve",
+                                      micro_batch=1) from error
+        self._redo = True
+        return True
+
+    def _redo_step(self, group: MicroBatches, step: int) -> None:
+        """Make the step that ran out of memory start again, with half the micro-batch: its
+        gradients dropped, the generators, buffers and metric sums as they were when it began (so
+        it draws and counts what a run with the smaller micro-batch would), the same samples."""
+        self._redo = False
+        ranks = [self.dist_info.rank]
+        if self.dist_info.distributed and communicates_in_forward(self.model):
+            with heartbeat.phase(heartbeat.OUT_OF_MEMORY):  # every rank ran out here too, or the others wait
+                where = distributed.all_gather_object((step, self.micro_batch, group.handed_out))
+            if len(set(where)) > 1:
+                raise UserError(f"the ranks ran out of memory at different points ((step, micro-batch size, "
+                                f"micro-batches begun) by rank: {where}), and their model's forward passes make "
+                                f"collective calls: they cannot redo the step apart; use a smaller trainer.batch_size",
+                                agreed=True)
+            ranks = list(range(self.dist_info.world_size))
+        drop_gradients(self.model)
+        self._step_start.restore()
+        if self._flop_count is not None:  # count the step as it is done, not the failed attempt
+            self._flop_count.stop()
+            self._flop_count = FlopCount()
+        gc.collect()  # the failed attempt's activations, held in cycles through its traceback
+        if self.dist_info.device.type == "cuda":
+            torch.cuda.empty_cache()
+        before, self.micro_batch = self.micro_batch, halved(self.micro_batch)
+        group.restart(self.micro_batch)
+        self._note_halving(step, ranks, self.micro_batch)
+        self.console(f"out of memory in step {step} on rank(s) {', '.join(map(str, ranks))} with micro-batches of "
+                     f"{before}: the step again with {self.micro_batch} ({len(group)} per step on each rank, the "
+                     f"global batch kept)", everywhere=len(ranks) == 1)
+
+    def _note_halving(self, step: int, ranks: list[int], size: int) -> None:
+        """Record a halving in :attr:`progress` (merged with the other ranks' where they agree)."""
+        record = {"step": step, "ranks": ranks, "micro_batch_size": size, "found_on": self._device_key}
+        records = self.progress.out_of_memory
+        if not records or (records[-1]["step"], records[-1]["micro_batch_size"]) != (step, size):
+            records.append(record)
+        self.progress.micro_batch_size, self.progress.micro_batch_found_on = size, self._device_key
+
+    def _agree_on_micro_batch(self, micro_batches: Sequence[int],
+                              records: list[list[dict[str, Any]]] | None = None) -> None:
+        """Where the ranks agree (on the checkpoint cadence, in every save): when a rank has halved its
+        micro-batch alone (its forward and backward passes make no collective call), every rank takes
+        the smallest, and the ranks' records of halvings (``records``, or gathered now: collective,
+        only then) are merged."""
+        if len(set(micro_batches)) <= 1:
+            return
+        size = min(micro_batches)
+        if records is None:
+            records = distributed.all_gather_object(self.progress.out_of_memory)
+        self.progress.out_of_memory = _merged_halvings(records)
+        if size < self.micro_batch:
+            self.micro_batch = size
+        self.progress.micro_batch_size, self.progress.micro_batch_found_on = size, self._device_key
+        self.console(f"every rank now cuts its batches in micro-batches of {size} (rank(s) "
+                     f"{', '.join(str(rank) for rank, own in enumerate(micro_batches) if own == size)} ran out of "
+                     f"memory)")
+
+    def _reduce_gradients(self) -> None:
+        """After a step's last micro-batch: the gradients averaged over the ranks (what DDP does in
+        the backward pass, here outside it, so a rank may redo its micro-batches alone)."""
+        self._in_forward_backward = False
+        all_reduce_gradients(self.model)
+
     def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
         """The step's total gradient norm before clipping, with the gradients clipped to
         ``trainer.grad_clip_norm`` when that is set (:func:`common.telemetry.clip_grad_norm`; under
         fp16 they are unscaled first). Computed every step when clipping, else only on a step that
         logs (``train/grad_norm``): None on the others, which pay nothing. No host sync. Call it
         between the backward passes and the optimizer step, and hand its value to :meth:`step_done`."""
+        self._in_forward_backward = False
         if not self.grad_clip_norm and (self.progress.step + 1) % self.log_every_steps:
             return None
         if self.scaler is not None:
@@ -603,6 +761,8 @@ class TrainingRun:
         progress bar, or as a progress line where there is no terminal. Collective on several ranks."""
         metrics = {**metrics, **self.telemetry.report(self.dist_info.world_size, self.progress.flops_per_sample,
                                                       self.cadence.group)}
+        if self.out_of_memory == "halve":
+            metrics["train/micro_batch_size"] = float(self.micro_batch)
         self.logger.log(metrics, self.progress.step)
         if self._bar is not None:
             self._bar.set_postfix({name.removeprefix("train/"): f"{value:.4g}" for name, value in metrics.items()})
@@ -615,9 +775,12 @@ class TrainingRun:
                      + ", ".join(f"{name} {value:.4f}" for name, value in shown.items()))
         return metrics
 
-    def console(self, message: str) -> None:
-        """A line on stdout, from rank 0."""
-        self.logger.console(message)
+    def console(self, message: str, everywhere: bool = False) -> None:
+        """A line on stdout, from rank 0 (``everywhere``: from this rank, whichever it is, naming it)."""
+        if everywhere and not self.dist_info.is_main:
+            print(f"rank {self.dist_info.rank}: {message}", flush=True)
+        else:
+            self.logger.console(message)
 
     def end_epoch(self, evaluate: Callable[[], dict[str, float]]) -> None:
         """After :meth:`steps`: if the epoch is complete (not cut short by ``trainer.max_steps``),
@@ -734,6 +897,9 @@ class TrainingRun:
                   "back_to_step": back_to, "checkpoint": loaded.path.name, "skipped_steps": nonfinite_step - back_to,
                   "lr_factor": self.rollback_lr_factor}
         self.progress.rollbacks = [*kept.rollbacks, record]
+        self.progress.out_of_memory = kept.out_of_memory  # the micro-batch in use stays: it is what fits here
+        self.progress.micro_batch_size, self.progress.micro_batch_found_on = (kept.micro_batch_size,
+                                                                              kept.micro_batch_found_on)
         self.progress.resumes, self.progress.train_seconds = kept.resumes, seconds
         self._clock = time.monotonic()
         self.telemetry.start_window()
@@ -798,7 +964,10 @@ class TrainingRun:
     def _capture(self) -> dict[str, Any]:
         """The checkpoint's ``state.pt``. Collective: each rank's RNG states and partial metric sums
         are gathered, since only rank 0 writes it."""
-        per_rank = distributed.all_gather_object({"rng": rng_state(), "metrics": self.train_sums.state_dict()})
+        per_rank = distributed.all_gather_object({"rng": rng_state(), "metrics": self.train_sums.state_dict(),
+                                                  "micro_batch": self.micro_batch,
+                                                  "out_of_memory": self.progress.out_of_memory})
+        self._agree_on_micro_batch([own["micro_batch"] for own in per_rank], [own["out_of_memory"] for own in per_rank])
         state: dict[str, Any] = {
             "progress": asdict(self.progress),
             "rng": [own["rng"] for own in per_rank],
@@ -844,6 +1013,9 @@ class TrainingRun:
                 summary["init_from"] = self.progress.init_from
             if self.progress.rollbacks:
                 summary["rollbacks"] = self.progress.rollbacks
+            summary["micro_batch_size"] = self.micro_batch
+            if self.progress.out_of_memory:
+                summary["out_of_memory"] = self.progress.out_of_memory
             if self.early_stopping_patience > 0:
                 summary["early_stopping"] = self._early_stopping_summary()
             if self.progress.pruned is not None:

@@ -43,28 +43,80 @@ def compile_static(model: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(model, dynamic=False)
 
 
+def split_micro_batch(batch: Any, size: int) -> list[Any]:
+    """``batch`` (what a loader or the sampler hands out: tensors, and tuples, lists and dicts of
+    them, along their first dimension) cut into pieces of ``size`` samples, the last one shorter.
+    An object with a ``split_samples(size)`` method cuts itself (packed file bytes)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(size))
+    if hasattr(batch, "split_samples"):
+        return batch.split_samples(size)
+    if isinstance(batch, tuple):
+        return [tuple(fields) for fields in zip(*(split_micro_batch(field, size) for field in batch))]
+    if isinstance(batch, dict):
+        pieces = {key: split_micro_batch(value, size) for key, value in batch.items()}
+        return [type(batch)(zip(pieces, values)) for values in zip(*pieces.values())]
+    if isinstance(batch, list):  # one entry per sample (file paths)
+        return [batch[start : start + size] for start in range(0, len(batch), size)]
+    raise TypeError(f"cannot cut a {type(batch).__name__} into micro-batches")
+
+
 class MicroBatches:
     """The micro-batches of one optimizer step, taken from the epoch's iterator as they are used
     (a DataLoader's batches are not held in memory all at once). ``len()`` is how many there are
     and ``samples`` how many samples they hold on this rank, both known before the first. The
-    rank's heartbeat says whether it is waiting for one or working on it."""
+    rank's heartbeat says whether it is waiting for one or working on it.
 
-    def __init__(self, source: Iterator[Any], count: int, samples: int) -> None:
+    The iterator hands out batches of the plan's ``micro_batch`` samples (``loaded``: the sizes of
+    this step's); with a smaller ``size`` (set before the step starts) each is cut into micro-batches of ``size``
+    (``trainer.out_of_memory=halve``, ``common/out_of_memory.py``), and with ``keep`` the batches
+    taken are kept until the step ends, so :meth:`restart` can hand the same samples out again.
+    The loop runs the step inside ``with group:``, which hands an error to ``on_error`` (set by the
+    run): when it returns True the error is swallowed and the run hands the step out again; and
+    ``after_last`` (set by the run) is called once the loop is done with the last micro-batch."""
+
+    def __init__(self, source: Iterator[Any], loaded: list[int], size: int, keep: bool = False) -> None:
         self._source = source
-        self._count = count
-        self.samples = samples
-        self.taken = 0
+        self._loaded = loaded
+        self.samples = sum(loaded)
+        self.size = size
+        self._keep = keep
+        self._kept: list[Any] = []
+        self.taken = 0  # batches taken from the epoch's iterator
+        self.handed_out = 0  # micro-batches handed out since the step (re)started
+        self.on_error: Callable[[BaseException], bool] | None = None
+        self.after_last: Callable[[], None] | None = None
 
     def __len__(self) -> int:
-        return self._count
+        return sum(math.ceil(samples / self.size) for samples in self._loaded)
 
     def __iter__(self) -> Iterator[Any]:
-        while self.taken < self._count:
-            self.taken += 1
-            heartbeat.enter(heartbeat.DATA)
-            micro_batch = next(self._source)
+        self.handed_out = 0
+        for index in range(len(self._loaded)):
+            if index < len(self._kept):
+                batch = self._kept[index]
+            else:
+                self.taken += 1
+                heartbeat.enter(heartbeat.DATA)
+                batch = next(self._source)
+                if self._keep:
+                    self._kept.append(batch)
             heartbeat.enter(heartbeat.FORWARD_BACKWARD)
-            yield micro_batch
+            for micro_batch in [batch] if self._loaded[index] <= self.size else split_micro_batch(batch, self.size):
+                self.handed_out += 1
+                yield micro_batch
+        if self.after_last is not None:
+            self.after_last()
+
+    def restart(self, size: int) -> None:
+        """Hand the step's samples out again, in micro-batches of ``size``."""
+        self.size = size
+
+    def __enter__(self) -> MicroBatches:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: Any) -> bool:
+        return error is not None and self.on_error is not None and self.on_error(error)
 
 
 class StepPlan:
@@ -136,12 +188,14 @@ class StepPlan:
             yield count, samples
             samples_left -= samples
 
-    def groups(self, micro_batches: Iterable[Any]) -> Iterator[MicroBatches]:
+    def groups(self, micro_batches: Iterable[Any], keep: bool = False) -> Iterator[MicroBatches]:
         """The steps left in the epoch, each the :class:`MicroBatches` of one step, from
-        ``micro_batches``: the rest of the epoch as index tensors or a DataLoader."""
+        ``micro_batches``: the rest of the epoch as index tensors or a DataLoader, in batches of
+        :attr:`micro_batch`; ``keep``: see :class:`MicroBatches`."""
         source = iter(micro_batches)
         for count, samples in self._steps_left():
-            group = MicroBatches(source, count, samples)
+            loaded = [self.micro_batch] * (count - 1) + [samples - self.micro_batch * (count - 1)]
+            group = MicroBatches(source, loaded, self.micro_batch, keep)
             yield group
             if group.taken != count:
                 raise RuntimeError(f"a step used {group.taken} of its {count} micro-batches; iterate over all of them")

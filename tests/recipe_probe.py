@@ -18,6 +18,9 @@ and plan the recipe made), and through hooks on the model and the optimizer:
 
 ``nonfinite_at=k`` makes the model's output NaN in the first training forward of optimizer step
 ``k``, once: what a diverging step does to the loss, for a run that may roll back.
+``error_at=k`` raises ``error`` (default ``torch.OutOfMemoryError``, as CUDA would) in the first
+training forward of step ``k`` (``error_in="forward"``, once the model's output is computed) or in
+its backward pass (``"backward"``, as the gradient of that output is computed), once.
 
 A :class:`~common.errors.UserError` the recipe raises is recorded, not raised. The process is left
 as it was found: signal handlers, open log files, the global random generators and determinism
@@ -102,6 +105,8 @@ class Probe:
     indices: list[list[int]] = field(default_factory=list)  # per micro-batch, in-memory recipes only
     sample_keys: list[tuple[int, int]] = field(default_factory=list)  # (epoch, index) each loaded sample was seeded by
     logged_at: list[int] = field(default_factory=list)  # steps at which training metrics were logged
+    attempts: list[int] = field(default_factory=list)  # per training input: how many times its step was handed out
+    errors_raised: list[int] = field(default_factory=list)  # the steps error_at raised in
     # per optimizer step, in order (a step a rollback undoes included): its number, the LR of the
     # optimizer's first group and which optimizer took it (0 for the first the run tracked, then 1, ...)
     optimizer_steps: list[tuple[int, float, int]] = field(default_factory=list)
@@ -158,8 +163,21 @@ def _made_nan(output: Any) -> Any:
     return output
 
 
+def _raising_in_backward(output: Any, error: BaseException) -> None:
+    """Make the backward pass raise ``error`` when it reaches ``output`` (its first tensor that has a gradient)."""
+    tensors = [output] if isinstance(output, torch.Tensor) else list(output.values()) if isinstance(output, dict) \
+        else list(output)
+    tensor = next(tensor for tensor in tensors if isinstance(tensor, torch.Tensor) and tensor.requires_grad)
+
+    def hook(gradient: torch.Tensor) -> None:
+        raise error
+
+    tensor.register_hook(hook)
+
+
 def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CPU,
-          fixed_statistics: bool = False, nonfinite_at: int | None = None) -> Probe:
+          fixed_statistics: bool = False, nonfinite_at: int | None = None, error_at: int | None = None,
+          error_in: str = "backward", error: type[BaseException] = torch.OutOfMemoryError) -> Probe:
     """Run ``recipe``'s ``train(cfg)`` until ``steps`` optimizer steps are done (0: until it asks
     for its first; None: to its end) and return what it built and did.
 
@@ -170,6 +188,7 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
     seen = Probe(cfg)
     hooked: list[torch.optim.Optimizer] = []  # in the order the run tracked them (held: no id is reused)
     nonfinite_fired: list[int] = []
+    handed_out: dict[int, int] = {}  # step: how many times run.steps() handed it out
     originals = {name: getattr(TrainingRun, name) for name in ("resume", "steps", "step_done", "log_train")}
     originals["load_sample"] = PerSampleSeeded.__getitem__
     compile_static = train.compile_static
@@ -192,9 +211,16 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
         seen.inputs.append(args[0].detach().clone())
         seen.epochs.append(seen.run.progress.epoch)
         seen.steps.append(seen.run.progress.step + 1)
+        seen.attempts.append(handed_out.get(seen.run.progress.step + 1, 0))
 
     def after_forward(module: torch.nn.Module, args: tuple, output: Any) -> Any:
         step = seen.run.progress.step + 1
+        if seen.stepping and step == error_at and not seen.errors_raised:
+            seen.errors_raised.append(step)
+            raised = error("CUDA out of memory. Tried to allocate 2.00 GiB (raised by the test)")
+            if error_in == "forward":
+                raise raised
+            _raising_in_backward(output, raised)
         if not seen.stepping or step != nonfinite_at or nonfinite_fired:
             return output
         nonfinite_fired.append(step)
@@ -206,7 +232,7 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
             if steps == 0:
                 raise _Stop
             run.model.register_forward_pre_hook(before_forward)
-            if nonfinite_at is not None:
+            if nonfinite_at is not None or error_at is not None:
                 run.model.register_forward_hook(after_forward)
         if not any(optimizer is run.optimizer for optimizer in hooked):  # dinov2's stages start a new one
             hooked.append(run.optimizer)
@@ -222,9 +248,13 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
         if isinstance(micro_batches, tuple):  # an in-memory recipe's index tensors
             seen.indices += [batch.tolist() for batch in micro_batches]
         seen.stepping = True
+        groups = originals["steps"](run, micro_batches)
         try:
-            yield from originals["steps"](run, micro_batches)
+            for group in groups:
+                handed_out[run.progress.step + 1] = handed_out.get(run.progress.step + 1, 0) + 1
+                yield group
         finally:
+            groups.close()
             seen.stepping = False
 
     def step_done(run: TrainingRun, samples: int, grad_norm: torch.Tensor | None = None, *,

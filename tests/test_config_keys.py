@@ -264,6 +264,8 @@ CHECKS: dict[str, Check] = {
     "trainer.activation_checkpointing": check("checkpointed blocks", "trainer.activation_checkpointing=blocks"),
     "trainer.num_workers": check("micro_batches.num_workers", "trainer.num_workers=1"),
     "trainer.nonfinite": check("run.nonfinite", "trainer.nonfinite=rollback"),
+    # what a step that runs out of memory does: tests/test_out_of_memory.py
+    "trainer.out_of_memory": check("run.out_of_memory", "trainer.out_of_memory=halve"),
     "trainer.rollback_lr_factor": check("run.rollback_lr_factor", "trainer.rollback_lr_factor=0.5"),
     "trainer.max_rollbacks": check("run.max_rollbacks", "trainer.max_rollbacks=7"),
     # profile: traces of chosen steps

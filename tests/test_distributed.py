@@ -130,7 +130,7 @@ def _worker(rank: int, results: Path, main_backend: str) -> None:
         if rank == 1 and step == 3:
             flag.signal_name = "SIGUSR1"
         # Rank 1 also saw a non-finite loss at step 3: both ranks learn it, and where, at step 4.
-        decision = cadence.after_step(step, lambda: 3 if rank == 1 and step >= 3 else NONE)
+        decision = cadence.after_step(step, lambda: 3 if rank == 1 and step >= 3 else NONE, 8)
         assert (decision.nonfinite_step, decision.nonfinite_ranks) == ((3, (1,)) if step == 4 else (NONE, ()))
         if decision.stop:
             assert decision.save

@@ -46,7 +46,7 @@ def test_out_of_memory_names_the_step_the_snapshot_and_a_batch_that_keeps_the_gl
     assert str(error) == (f"out of CPU memory in optimizer step 7 on rank 1 ({socket.gethostname()}) (Tried to "
                           f"allocate 512.00 MiB); memory snapshot: {snapshot} (https://pytorch.org/memory_viz); try "
                           f"trainer.batch_size=32 trainer.global_batch_size=128 (gradient accumulation keeps the "
-                          f"global batch)")
+                          f"global batch), or let the run halve it (trainer.out_of_memory=halve)")
     assert error.exit_code == 2
 
     profiler.step_finished(7)

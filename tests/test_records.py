@@ -174,6 +174,6 @@ def test_out_of_memory_in_the_loop_ends_in_one_line_naming_the_step_and_a_smalle
     assert result.stderr.strip().splitlines() == [
         f"error: out of CPU memory in optimizer step 3 on rank 0 ({socket.gethostname()}) (Tried to allocate "
         f"2.00 GiB); try trainer.batch_size=8 trainer.global_batch_size=32 (gradient accumulation keeps the "
-        f"global batch)"]
+        f"global batch), or let the run halve it (trainer.out_of_memory=halve)"]
     assert "profile.memory_on_oom: no memory history, it records CUDA allocations and this run is on cpu" \
         in result.stdout

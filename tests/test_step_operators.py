@@ -19,7 +19,7 @@ from tests.conftest import REPO, recipe_env
 
 # What a steady step adds today (fashion_mnist, fp32, CPU), 13 operators: the loss scaled by its
 # share of the step's samples (mul, and mul in its backward); the loss and the top-1 hits added to
-# the metric sums (detach, mul; argmax, eq, sum; detach and add_ for each sum); the divergence watch
+# the metric sums (detach, mul; argmax, eq, sum; detach and add for each sum); the divergence watch
 # reading the running loss (detach; on the CPU _local_scalar_dense, on a GPU isfinite and where).
 ADDED_BUDGET = 13
 

@@ -48,10 +48,14 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "timm-augmentation-seeded-by-step-of-this-process", "recipes/timm_imagenet/train.py",
         "        for group in run.steps(train_loader):  # one optimizer step per group of micro-batches\n"
-        "            # timm's Mixup draws from NumPy's global generator and drop path from torch's: seeded per step.\n"
-        "            with seeded_global_rng(cfg.seed, progress.step, dist_info.rank):",
+        "            with group:  # out of memory in here: trainer.out_of_memory=halve hands the step out again,"
+        " halved\n"
+        "                # timm's Mixup draws from NumPy's global generator and drop path from torch's: seeded per"
+        " step.\n"
+        "                with seeded_global_rng(cfg.seed, progress.step, dist_info.rank):",
         "        for steps_here, group in enumerate(run.steps(train_loader)):\n"
-        "            with seeded_global_rng(cfg.seed, steps_here, dist_info.rank):",
+        "            with group:\n"
+        "                with seeded_global_rng(cfg.seed, steps_here, dist_info.rank):",
         (f"tests/test_timm_imagenet.py::{CHAIN}[2-SIGUSR1]",),
         "a run resumed mid-epoch draws other augmentations than the uninterrupted run",
     ),
@@ -351,37 +355,43 @@ MUTATIONS: list[Mutation] = [
     # gradient accumulation: each micro-batch's loss weighted by its share of the step's samples
     Mutation(
         "fashion-mnist-micro-batches-weighted-alike", "recipes/fashion_mnist/train.py",
-        "scaler.scale(loss * (len(batch) / group.samples)).backward()", "scaler.scale(loss / len(group)).backward()",
+        "forward_backward(batch, generator, len(batch) / group.samples, i == len(group) - 1)",
+        "forward_backward(batch, generator, 1 / len(group), i == len(group) - 1)",
         (f"{SHORT_LAST_STEP}[fashion_mnist]",),
         "an epoch's short last step over-weighs the samples of its short micro-batch",
     ),
     Mutation(
         "cifar100-accumulated-losses-summed", "recipes/cifar100_resnet50/train.py",
-        "scaler.scale(loss * (len(batch) / group.samples)).backward()", "scaler.scale(loss).backward()",
+        "forward_backward(batch, generator, i, len(batch) / group.samples, i == len(group) - 1)",
+        "forward_backward(batch, generator, i, 1.0, i == len(group) - 1)",
         (f"{ACCUMULATED}[cifar100_resnet50]",),
         "with accumulation the gradient is k times the global batch's: the LR is in effect k times larger",
     ),
     Mutation(
         "timm-accumulated-losses-summed", "recipes/timm_imagenet/train.py",
-        "scaler.scale(loss * (len(labels) / group.samples)).backward()", "scaler.scale(loss).backward()",
+        "forward_backward(inputs, labels, len(labels) / group.samples, i == len(group) - 1)",
+        "forward_backward(inputs, labels, 1.0, i == len(group) - 1)",
         (f"{ACCUMULATED}[timm_imagenet]",),
         "with accumulation the gradient is k times the global batch's: the LR is in effect k times larger",
     ),
     Mutation(
         "tv-segmentation-accumulated-losses-summed", "recipes/tv_segmentation/train.py",
-        "scaler.scale(loss * (len(images) / group.samples)).backward()", "scaler.scale(loss).backward()",
+        "forward_backward(images, masks, len(images) / group.samples, i == len(group) - 1)",
+        "forward_backward(images, masks, 1.0, i == len(group) - 1)",
         (f"{ACCUMULATED}[tv_segmentation]",),
         "with accumulation the gradient is k times the global batch's: the LR is in effect k times larger",
     ),
     Mutation(
         "fungitastic-micro-batches-weighted-alike", "recipes/fungitastic/train.py",
-        "scaler.scale(loss * (len(labels) / group.samples)).backward()", "scaler.scale(loss / len(group)).backward()",
+        "forward_backward(inputs, labels, len(labels) / group.samples, i == len(group) - 1)",
+        "forward_backward(inputs, labels, 1 / len(group), i == len(group) - 1)",
         (f"{SHORT_LAST_STEP}[fungitastic]",),
         "an epoch's short last step over-weighs the samples of its short micro-batch",
     ),
     Mutation(
         "dinov2-micro-batches-weighted-alike", "recipes/dinov2_fsdp/train.py",
-        "(loss * (len(batch) / group.samples)).backward()", "(loss / len(group)).backward()",
+        "forward_backward(batch, generator, len(batch) / group.samples, i == len(group) - 1)",
+        "forward_backward(batch, generator, 1 / len(group), i == len(group) - 1)",
         (f"{SHORT_LAST_STEP}[dinov2_fsdp]",),
         "an epoch's short last step over-weighs the samples of its short micro-batch",
     ),

@@ -277,13 +277,29 @@ class ResizedImages(Dataset):
         return _crop_resize(pixels, box, self.size, "bilinear"), self.labels[index]
 
 
+class PackedFiles(dict):
+    """A ``data.decode=gpu`` batch: every sample's file bytes end to end in ``data``, each one's
+    length in ``length``, the rest per sample."""
+
+    def split_samples(self, size: int) -> list[PackedFiles]:
+        """Micro-batches of ``size`` samples (``common.steps.split_micro_batch``)."""
+        from common.steps import split_micro_batch
+
+        lengths = self["length"].split(size)
+        data = self["data"].split([int(piece.sum()) for piece in lengths])  # host tensors: no device sync
+        rest = {key: split_micro_batch(value, size) for key, value in self.items() if key not in ("data", "length")}
+        return [PackedFiles(data=data[i], length=lengths[i], **{key: value[i] for key, value in rest.items()})
+                for i in range(len(lengths))]
+
+
 def collate_train(batch: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
     """Stack a batch of :class:`TrainImages` samples. File bytes of different lengths are joined
     into one tensor (one shared-memory block per batch instead of one per file)."""
     samples, labels = zip(*batch)
     if "data" not in samples[0]:
         return default_collate(list(samples)), default_collate(list(labels))
-    fixed = default_collate([{key: value for key, value in sample.items() if key != "data"} for sample in samples])
+    fixed = PackedFiles(default_collate([{key: value for key, value in sample.items() if key != "data"}
+                                         for sample in samples]))
     pieces = [sample["data"] for sample in samples]
     fixed["data"] = torch.cat(pieces)
     fixed["length"] = torch.tensor([len(piece) for piece in pieces])

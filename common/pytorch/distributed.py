@@ -235,12 +235,43 @@ def on_device(model: torch.nn.Module, device: torch.device, channels_last: bool)
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
-def data_parallel(model: torch.nn.Module, dist_info: DistInfo) -> torch.nn.Module:
-    """``model`` in DistributedDataParallel across the ranks (itself on one process)."""
+def data_parallel(model: torch.nn.Module, dist_info: DistInfo, out_of_memory: str = "stop") -> torch.nn.Module:
+    """``model`` in DistributedDataParallel across the ranks (itself on one process).
+
+    With ``trainer.out_of_memory=halve`` a rank may redo a step alone (``common/out_of_memory.py``),
+    so its forward and backward passes must make no collective call: the model is then not wrapped
+    (rank 0's weights and buffers are broadcast once, as DDP does when it wraps it) and the run
+    reduces the gradients once the step's micro-batches are done (:func:`all_reduce_gradients`)."""
     if not dist_info.distributed:
+        return model
+    if out_of_memory == "halve":
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, 0)
         return model
     device_ids = [dist_info.device.index] if dist_info.device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def all_reduce_gradients(model: torch.nn.Module) -> None:
+    """Average the gradients of ``model``'s parameters over the ranks, as DDP does in its backward
+    pass (each divided by the number of ranks, then summed), in buckets of about 25 MiB per dtype."""
+    world_size = dist.get_world_size()
+    gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+    for dtype in sorted({gradient.dtype for gradient in gradients}, key=str):
+        bucket: list[torch.Tensor] = []
+        for gradient in [*(g for g in gradients if g.dtype == dtype), None]:
+            if gradient is not None:
+                bucket.append(gradient)
+            full = gradient is None or sum(g.numel() for g in bucket) * gradient.element_size() >= _BUCKET_BYTES
+            if bucket and full:
+                flat = torch._utils._flatten_dense_tensors(bucket).div_(world_size)
+                dist.all_reduce(flat)
+                torch._foreach_copy_(bucket, torch._utils._unflatten_dense_tensors(flat, bucket))
+                bucket = []
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:

@@ -35,7 +35,8 @@ class SumMetrics:
             else:
                 value = torch.tensor(float(value), device=self.device, dtype=self._dtype)
             if name in self._sums:
-                self._sums[name] += value  # in place, promoted to the sum's dtype: one kernel, no copy
+                # a new tensor, promoted to the sum's dtype (one kernel): a snapshot holds the old one as it was
+                self._sums[name] = self._sums[name] + value
             else:
                 self._sums[name] = value.to(self._dtype, copy=True)
 
@@ -65,6 +66,14 @@ class SumMetrics:
     def reset(self) -> None:
         self._sums.clear()
         self._counts.clear()
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """The sums as they are now, for :meth:`restore` (no copy: :meth:`add` makes new tensors)."""
+        return dict(self._sums), dict(self._counts)
+
+    def restore(self, snapshot: tuple[dict[str, torch.Tensor], dict[str, int]]) -> None:
+        """The sums as :meth:`snapshot` found them (a step that is done again adds its samples once)."""
+        self._sums, self._counts = dict(snapshot[0]), dict(snapshot[1])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         names = sorted(set(self._sums) | set(self._counts))

@@ -75,7 +75,7 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
     # ---- model (and its EMA) -------------------------------------------------------------------
     model = model_as_trained(cfg, dist_info)
     ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
-    ddp_model = data_parallel(model, dist_info)
+    ddp_model = data_parallel(model, dist_info, cfg.trainer.out_of_memory.value)
     forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- optimization: steps of accumulated micro-batches, LR rule, schedule ----------------
@@ -114,37 +114,43 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
         return run.log_eval(metrics)
 
     # ---- training loop --------------------------------------------------------------------
+    def forward_backward(batch: torch.Tensor, generator: torch.Generator, index: int, share: float,
+                         sync: bool) -> None:
+        """The ``index``-th micro-batch's part of the step's gradient: ``share`` is its part of the step's
+        samples. (A function, so that what it computed is freed if it runs out of memory.)"""
+        y = train_labels[batch]
+        x, targets = augmentation(train_images[batch], y, generator, cfg.seed, progress.step, dist_info.rank, index)
+        if cfg.trainer.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with gradient_sync(ddp_model, sync):
+            with autocast(device, cfg.trainer.precision):
+                logits = forward(x)
+                smoothing = 0.0 if augmentation.soft_targets else cfg.optim.label_smoothing
+                loss = F.cross_entropy(logits.float(), targets, label_smoothing=smoothing)
+            scaler.scale(loss * share).backward()
+        train_sums.add(loss=loss.detach() * len(batch), top1=(logits.argmax(1) == y).sum(), count=len(batch))
+
     model.train()
     while not run.training_done():
         for group in run.steps(sampler.index_batches(plan.micro_batch, device)):  # one optimizer step per group
-            generator = seeded_generator(device, cfg.seed, progress.step, dist_info.rank)
-            for i, batch in enumerate(group):
-                y = train_labels[batch]
-                x, targets = augmentation(train_images[batch], y, generator, cfg.seed, progress.step,
-                                          dist_info.rank, i)
-                if cfg.trainer.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                with gradient_sync(ddp_model, i == len(group) - 1):
-                    with autocast(device, cfg.trainer.precision):
-                        logits = forward(x)
-                        smoothing = 0.0 if augmentation.soft_targets else cfg.optim.label_smoothing
-                        loss = F.cross_entropy(logits.float(), targets, label_smoothing=smoothing)
-                    scaler.scale(loss * (len(batch) / group.samples)).backward()
-                train_sums.add(loss=loss.detach() * len(batch), top1=(logits.argmax(1) == y).sum(), count=len(batch))
-            grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
-            if ema is not None:
-                ema.update(model, step=progress.step)
+            with group:  # out of memory in here: trainer.out_of_memory=halve hands the step out again, halved
+                generator = seeded_generator(device, cfg.seed, progress.step, dist_info.rank)
+                for i, batch in enumerate(group):
+                    forward_backward(batch, generator, i, len(batch) / group.samples, i == len(group) - 1)
+                grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
+                if ema is not None:
+                    ema.update(model, step=progress.step)
 
-            if progress.step % cfg.trainer.log_every_steps == 0:
-                sums = train_sums.reduce()
-                train_sums.reset()
-                run.log_train({"train/loss": ratio(sums, "loss", "count"), "train/top1": ratio(sums, "top1", "count"),
-                               "train/lr": scheduler.get_last_lr()[0]})
+                if progress.step % cfg.trainer.log_every_steps == 0:
+                    sums = train_sums.reduce()
+                    train_sums.reset()
+                    run.log_train({"train/loss": ratio(sums, "loss", "count"),
+                                   "train/top1": ratio(sums, "top1", "count"), "train/lr": scheduler.get_last_lr()[0]})
         run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------

@@ -66,7 +66,7 @@ def train(cfg: FashionMNISTConfig, dist_info: DistInfo) -> None:
 
     # ---- model -------------------------------------------------------------------------------
     model = model_as_trained(cfg, dist_info)
-    ddp_model = data_parallel(model, dist_info)
+    ddp_model = data_parallel(model, dist_info, cfg.trainer.out_of_memory.value)
     forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- optimization: steps of accumulated micro-batches, LR rule, schedule ----------------
@@ -96,34 +96,40 @@ def train(cfg: FashionMNISTConfig, dist_info: DistInfo) -> None:
         return run.log_eval(evaluate(forward))
 
     # ---- training loop --------------------------------------------------------------------
+    def forward_backward(batch: torch.Tensor, generator: torch.Generator, share: float, sync: bool) -> None:
+        """One micro-batch's part of the step's gradient: ``share`` is its part of the step's samples.
+        (A function, so that what it computed is freed if it runs out of memory.)"""
+        x = random_crop_and_flip(normalize(train_images[batch]), cfg.data.random_crop_padding,
+                                 cfg.data.horizontal_flip, generator, fill=BLACK)
+        if cfg.trainer.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = train_labels[batch]
+        with gradient_sync(ddp_model, sync):
+            with autocast(device, cfg.trainer.precision):
+                logits = forward(x)
+                loss = F.cross_entropy(logits, y, label_smoothing=cfg.optim.label_smoothing)
+            scaler.scale(loss * share).backward()
+        train_sums.add(loss=loss.detach() * len(batch), top1=(logits.argmax(1) == y).sum(), count=len(batch))
+
     model.train()
     while not run.training_done():
         for group in run.steps(sampler.index_batches(plan.micro_batch, device)):  # one optimizer step per group
-            generator = seeded_generator(device, cfg.seed, progress.step, dist_info.rank)
-            for i, batch in enumerate(group):
-                x = random_crop_and_flip(normalize(train_images[batch]), cfg.data.random_crop_padding,
-                                         cfg.data.horizontal_flip, generator, fill=BLACK)
-                if cfg.trainer.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                y = train_labels[batch]
-                with gradient_sync(ddp_model, i == len(group) - 1):
-                    with autocast(device, cfg.trainer.precision):
-                        logits = forward(x)
-                        loss = F.cross_entropy(logits, y, label_smoothing=cfg.optim.label_smoothing)
-                    scaler.scale(loss * (len(batch) / group.samples)).backward()
-                train_sums.add(loss=loss.detach() * len(batch), top1=(logits.argmax(1) == y).sum(), count=len(batch))
-            grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
+            with group:  # out of memory in here: trainer.out_of_memory=halve hands the step out again, halved
+                generator = seeded_generator(device, cfg.seed, progress.step, dist_info.rank)
+                for i, batch in enumerate(group):
+                    forward_backward(batch, generator, len(batch) / group.samples, i == len(group) - 1)
+                grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
 
-            if progress.step % cfg.trainer.log_every_steps == 0:
-                sums = train_sums.reduce()
-                train_sums.reset()
-                run.log_train({"train/loss": ratio(sums, "loss", "count"), "train/top1": ratio(sums, "top1", "count"),
-                               "train/lr": scheduler.get_last_lr()[0]})
+                if progress.step % cfg.trainer.log_every_steps == 0:
+                    sums = train_sums.reduce()
+                    train_sums.reset()
+                    run.log_train({"train/loss": ratio(sums, "loss", "count"),
+                                   "train/top1": ratio(sums, "top1", "count"), "train/lr": scheduler.get_last_lr()[0]})
         run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------

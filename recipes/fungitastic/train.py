@@ -176,7 +176,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
 
     # ---- model ---------------------------------------------------------------------------------
     model = model_as_trained(cfg, dist_info)
-    ddp_model = model if cfg.fsdp.enabled else data_parallel(model, dist_info)
+    ddp_model = model if cfg.fsdp.enabled else data_parallel(model, dist_info, cfg.trainer.out_of_memory.value)
     forward = compile_static(ddp_model) if cfg.trainer.compile and not cfg.fsdp.enabled else ddp_model
     if cfg.trainer.compile and cfg.fsdp.enabled:  # each block's forward; FSDP's hooks around it stay eager
         for block in residual_blocks(model.backbone):
@@ -240,37 +240,43 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
         return run_eval("val") | (run_eval("test") if "test" in evaluators else {})
 
     # ---- training loop --------------------------------------------------------------------
+    def forward_backward(inputs: dict, labels: torch.Tensor, share: float, sync: bool) -> None:
+        """One micro-batch's part of the step's gradient: ``share`` is its part of the step's samples.
+        (A function, so that what it computed is freed if it runs out of memory.)"""
+        x = train_input(inputs)
+        if cfg.trainer.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        labels = labels.to(device, non_blocking=True)
+        with gradient_sync(ddp_model, sync):
+            with autocast(device, cfg.trainer.precision):
+                outputs = forward(x)
+                loss = criterion(outputs, labels)
+            scaler.scale(loss * share).backward()
+        hits = {f"top1_{level}": (outputs[level].argmax(1) == labels[:, column]).sum()
+                for column, level in enumerate(levels)}
+        known = {f"count_{level}": (labels[:, column] != metadata.UNKNOWN).sum() for column, level in enumerate(levels)}
+        train_sums.add(loss=loss.detach() * len(labels), count=len(labels), **hits, **known)
+
     model.train()
     while not run.training_done():
         for group in run.steps(train_loader):  # one optimizer step per group of micro-batches
-            for i, (inputs, labels) in enumerate(group):
-                x = train_input(inputs)
-                if cfg.trainer.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                labels = labels.to(device, non_blocking=True)
-                with gradient_sync(ddp_model, i == len(group) - 1):
-                    with autocast(device, cfg.trainer.precision):
-                        outputs = forward(x)
-                        loss = criterion(outputs, labels)
-                    scaler.scale(loss * (len(labels) / group.samples)).backward()
-                hits = {f"top1_{level}": (outputs[level].argmax(1) == labels[:, column]).sum()
-                        for column, level in enumerate(levels)}
-                known = {f"count_{level}": (labels[:, column] != metadata.UNKNOWN).sum()
-                         for column, level in enumerate(levels)}
-                train_sums.add(loss=loss.detach() * len(labels), count=len(labels), **hits, **known)
-            grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
+            with group:  # out of memory in here: trainer.out_of_memory=halve hands the step out again, halved
+                for i, (inputs, labels) in enumerate(group):
+                    forward_backward(inputs, labels, len(labels) / group.samples, i == len(group) - 1)
+                grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
 
-            if progress.step % cfg.trainer.log_every_steps == 0:
-                sums = train_sums.reduce()
-                train_sums.reset()
-                metrics = {"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0]}
-                metrics |= {f"train/{level}/top1": ratio(sums, f"top1_{level}", f"count_{level}") for level in levels}
-                run.log_train(metrics)
+                if progress.step % cfg.trainer.log_every_steps == 0:
+                    sums = train_sums.reduce()
+                    train_sums.reset()
+                    metrics = {"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0]}
+                    metrics |= {f"train/{level}/top1": ratio(sums, f"top1_{level}", f"count_{level}")
+                                for level in levels}
+                    run.log_train(metrics)
         run.end_epoch(lambda: run_eval("val"))  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 
     # ---- finish: final validation and test evaluation and checkpoint, then summary.json ------

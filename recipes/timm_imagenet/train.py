@@ -147,7 +147,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
         raise UserError("ema.enabled keeps a whole copy of the weights on every rank, which fsdp.enabled shards: "
                         "turn one of them off")
     ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
-    ddp_model = model if cfg.fsdp.enabled else data_parallel(model, dist_info)
+    ddp_model = model if cfg.fsdp.enabled else data_parallel(model, dist_info, cfg.trainer.out_of_memory.value)
     forward = compile_static(ddp_model) if cfg.trainer.compile and not cfg.fsdp.enabled else ddp_model
     if cfg.trainer.compile and cfg.fsdp.enabled:  # each block's forward; FSDP's hooks around it stay eager
         for block in residual_blocks(model):
@@ -214,39 +214,45 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
         return run.log_eval(metrics)
 
     # ---- training loop --------------------------------------------------------------------
+    def forward_backward(inputs: dict, labels: torch.Tensor, share: float, sync: bool) -> None:
+        """One micro-batch's part of the step's gradient: ``share`` is its part of the step's samples.
+        (A function, so that what it computed is freed if it runs out of memory.)"""
+        images, labels = train_input(inputs), labels.to(device, non_blocking=True)
+        targets = labels
+        if mixup is not None:
+            images, targets = mixup(images, labels)
+        if cfg.trainer.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with gradient_sync(ddp_model, sync):
+            with autocast(device, cfg.trainer.precision):
+                logits = forward(images)
+                loss = criterion(logits, targets)
+            scaler.scale(loss * share).backward()
+        train_sums.add(loss=loss.detach() * len(labels), top1=(logits.argmax(1) == labels).sum(), count=len(labels))
+
     model.train()
     while not run.training_done():
         for group in run.steps(train_loader):  # one optimizer step per group of micro-batches
-            # timm's Mixup draws from NumPy's global generator and drop path from torch's: seeded per step.
-            with seeded_global_rng(cfg.seed, progress.step, dist_info.rank):
-                for i, (inputs, labels) in enumerate(group):
-                    images, labels = train_input(inputs), labels.to(device, non_blocking=True)
-                    targets = labels
-                    if mixup is not None:
-                        images, targets = mixup(images, labels)
-                    if cfg.trainer.channels_last:
-                        images = images.contiguous(memory_format=torch.channels_last)
-                    with gradient_sync(ddp_model, i == len(group) - 1):
-                        with autocast(device, cfg.trainer.precision):
-                            logits = forward(images)
-                            loss = criterion(logits, targets)
-                        scaler.scale(loss * (len(labels) / group.samples)).backward()
-                    train_sums.add(loss=loss.detach() * len(labels), top1=(logits.argmax(1) == labels).sum(),
-                                   count=len(labels))
-            grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
-            scheduler.step_update(num_updates=progress.step)
-            if ema is not None:
-                ema.update(model, step=progress.step)
+            with group:  # out of memory in here: trainer.out_of_memory=halve hands the step out again, halved
+                # timm's Mixup draws from NumPy's global generator and drop path from torch's: seeded per step.
+                with seeded_global_rng(cfg.seed, progress.step, dist_info.rank):
+                    for i, (inputs, labels) in enumerate(group):
+                        forward_backward(inputs, labels, len(labels) / group.samples, i == len(group) - 1)
+                grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
+                scheduler.step_update(num_updates=progress.step)
+                if ema is not None:
+                    ema.update(model, step=progress.step)
 
-            if progress.step % cfg.trainer.log_every_steps == 0:
-                sums = train_sums.reduce()
-                train_sums.reset()
-                run.log_train({"train/loss": ratio(sums, "loss", "count"), "train/top1": ratio(sums, "top1", "count"),
-                               "train/lr": optimizer.param_groups[0]["lr"]})
+                if progress.step % cfg.trainer.log_every_steps == 0:
+                    sums = train_sums.reduce()
+                    train_sums.reset()
+                    run.log_train({"train/loss": ratio(sums, "loss", "count"),
+                                   "train/top1": ratio(sums, "top1", "count"),
+                                   "train/lr": optimizer.param_groups[0]["lr"]})
         run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------

@@ -105,7 +105,7 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
 
     # ---- model: torchvision by name, synchronised BatchNorm under DDP -------------------------
     model = model_as_trained(cfg, dist_info)
-    ddp_model = data_parallel(model, dist_info)
+    ddp_model = data_parallel(model, dist_info, cfg.trainer.out_of_memory.value)
     forward = compile_static(ddp_model) if cfg.trainer.compile else ddp_model
 
     # ---- optimization: SGD with momentum, aux head at 10x LR, warmup + poly schedule ----------
@@ -134,30 +134,36 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
         return run.log_eval(evaluate(forward), headline=["eval/miou", "eval/pixel_accuracy"])
 
     # ---- training loop --------------------------------------------------------------------
+    def forward_backward(images: torch.Tensor, masks: torch.Tensor, share: float, sync: bool) -> None:
+        """One micro-batch's part of the step's gradient: ``share`` is its part of the step's samples.
+        (A function, so that what it computed is freed if it runs out of memory.)"""
+        images = normalize(images)
+        masks = masks.to(device, non_blocking=True).long()
+        if cfg.trainer.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with gradient_sync(ddp_model, sync):
+            with autocast(device, cfg.trainer.precision), training_resize(device, cfg.trainer.deterministic):
+                loss = segmentation_loss(forward(images), masks, cfg.model.aux_weight)
+            scaler.scale(loss * share).backward()
+        train_sums.add(loss=loss.detach() * len(images), count=len(images))
+
     model.train()
     while not run.training_done():
         for group in run.steps(train_loader):  # one optimizer step per group of micro-batches
-            for i, (images, masks) in enumerate(group):
-                images = normalize(images)
-                masks = masks.to(device, non_blocking=True).long()
-                if cfg.trainer.channels_last:
-                    images = images.contiguous(memory_format=torch.channels_last)
-                with gradient_sync(ddp_model, i == len(group) - 1):
-                    with autocast(device, cfg.trainer.precision), training_resize(device, cfg.trainer.deterministic):
-                        loss = segmentation_loss(forward(images), masks, cfg.model.aux_weight)
-                    scaler.scale(loss * (len(images) / group.samples)).backward()
-                train_sums.add(loss=loss.detach() * len(images), count=len(images))
-            grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
+            with group:  # out of memory in here: trainer.out_of_memory=halve hands the step out again, halved
+                for i, (images, masks) in enumerate(group):
+                    forward_backward(images, masks, len(images) / group.samples, i == len(group) - 1)
+                grad_norm = run.clip_grad_norm(model.parameters())  # clips to trainer.grad_clip_norm; train/grad_norm
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
 
-            if progress.step % cfg.trainer.log_every_steps == 0:
-                sums = train_sums.reduce()
-                train_sums.reset()
-                run.log_train({"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0]})
+                if progress.step % cfg.trainer.log_every_steps == 0:
+                    sums = train_sums.reduce()
+                    train_sums.reset()
+                    run.log_train({"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0]})
         run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------

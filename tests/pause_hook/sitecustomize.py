@@ -27,7 +27,8 @@ on rank NONFINITE_RANK only when that is set, and NONFINITE_TIMES times in a pro
 0: every time the run reaches step ``k``, after a rollback too).
 
 With OOM_AT_STEP=<k>, the first training ``F.cross_entropy`` of optimizer step ``k`` raises
-``torch.OutOfMemoryError`` with CUDA's message, as a GPU that ran out of memory there would.
+``torch.OutOfMemoryError`` with CUDA's message, as a GPU that ran out of memory there would, once
+in a process (``trainer.out_of_memory=halve`` redoes the step), on rank OOM_RANK only when that is set.
 
 With STALL_AT_STEP=<k>, rank STALL_RANK (default 1) never finishes optimizer step ``k``: its first
 training ``F.cross_entropy`` there calls :func:`stall_in_step`, which sleeps for ever (in Python, so
@@ -177,7 +178,9 @@ if os.environ.get("OOM_AT_STEP"):
     from common.run import TrainingRun
 
     OOM_AT = int(os.environ["OOM_AT_STEP"])
+    OOM_RANK = os.environ.get("OOM_RANK")
     oom_runs: list[TrainingRun] = []
+    oom_raised: list[int] = []
     real_oom_init = TrainingRun.__init__
 
     def init_and_note_for_oom(self: TrainingRun, *args: object, **kwargs: object) -> None:
@@ -188,7 +191,10 @@ if os.environ.get("OOM_AT_STEP"):
     cross_entropy_before_oom = F.cross_entropy
 
     def cross_entropy_or_oom(*args: object, **kwargs: object) -> torch.Tensor:
-        if oom_runs and torch.is_grad_enabled() and oom_runs[-1].progress.step + 1 == OOM_AT:
+        run = oom_runs[-1] if oom_runs else None
+        if (run is not None and torch.is_grad_enabled() and run.progress.step + 1 == OOM_AT and not oom_raised
+                and (OOM_RANK is None or run.dist_info.rank == int(OOM_RANK))):
+            oom_raised.append(OOM_AT)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
                                          "capacity of 79.19 GiB of which 1.06 GiB is free.")
         return cross_entropy_before_oom(*args, **kwargs)
