@@ -129,3 +129,44 @@ def test_bench_peers_tiny_runs_both_sides_and_reports_every_figure(tmp_path: Pat
     assert any(setting.startswith("ViT step, this project's") for setting in settings)
     assert any(setting.startswith("ViT step, timm peer_stand_in.py") for setting in settings)
     assert "steady images/s" in result.stdout
+
+
+# ---- benchmarks/memory.py: its search for the largest batch, on a pretended GPU ---------------------
+
+
+@pytest.mark.parametrize(("fitting", "misjudged"), [(24, 1.3), (200, 0.8), (1000, 1.3), (5000, 0.8)])
+def test_the_largest_batch_search_ends_within_3_percent_below_what_fits(
+        fitting: int, misjudged: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU of 80 GiB where a batch fits up to ``fitting`` images, and whose peak memory of small
+    batches grows by ``misjudged`` times what the failures show (the first guess too high or too low)."""
+    from types import SimpleNamespace
+
+    from benchmarks import memory
+
+    tried = []
+
+    def fits(setup: object, batch: int, device: object, steps: int = 1) -> bool:
+        tried.append(batch)
+        return batch <= fitting
+
+    per_image = 70 / fitting * misjudged
+    monkeypatch.setattr(memory, "fits", fits)
+    monkeypatch.setattr(memory, "peak_gib", lambda setup, batch, device, steps: 5 + batch * per_image)
+    monkeypatch.setattr(memory.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(
+        total_memory=80 * 2**30))
+    found = memory.largest_batch(None, "cuda", limit=8192)
+    assert found % 8 == 0 and found <= fitting and found >= 0.96 * fitting - 8, (found, tried)
+    assert len(tried) <= 12, tried
+
+
+def test_the_memory_benchmark_takes_each_setting_on_the_cpu() -> None:
+    """Without a GPU: one batch per activation-checkpointing mode, for the ViT and the preset under
+    FSDP2 (in a process of its own): the code path the GPU session runs."""
+    from benchmarks import memory
+
+    results = memory.run(quick=True)
+    settings = [result.setting for result in results]
+    assert len(results) == 6 and all(result.unit == "images/s" and result.value > 0 for result in results)
+    for mode in memory.MODES:
+        assert sum(f"activation_checkpointing={mode}," in setting for setting in settings) == 2
+    assert sum("FSDP2 on one GPU" in setting for setting in settings) == 3
