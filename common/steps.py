@@ -5,7 +5,9 @@ of it, or what a resumed run has left) in micro-batches of ``trainer.batch_size`
 micro-batches make one optimizer step, so that the global batch stays
 ``trainer.global_batch_size`` on any number of ranks. Where an epoch does not divide evenly, each
 recipe says once, with an :class:`EpochTail`, what happens to its last samples; from that
-follow the steps an epoch has, the steps left after a resume, and when an epoch is done.
+follow the steps an epoch has, the steps left after a resume, and when an epoch is done. These
+stay the config's when ``trainer.out_of_memory=halve`` makes the micro-batches smaller: each
+batch of ``trainer.batch_size`` samples is then cut in pieces (:class:`MicroBatches`).
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ TWO_RANKS = f"{EQUIVALENCE}test_two_ranks_give_the_gradient_of_one_rank_with_the
 DRAWS = "tests/test_augmentation_draws.py::"
 RULES = "tests/test_run_rules.py::"
 DIVERGENCE = "tests/test_divergence.py::"
+OOM = "tests/test_out_of_memory.py::"
+REDONE = f"{OOM}test_a_step_that_runs_out_of_memory_is_redone_with_half_the_micro_batch_bit_for_bit"
+TWO_RANKS_AGREE = f"{OOM}test_on_two_ranks_every_rank_agrees_on_the_halved_micro_batch"
+CHECKPOINTED = ("tests/test_activation_checkpointing.py::"
+                "test_checkpointed_blocks_give_the_gradients_and_state_of_the_plain_model")
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -561,5 +566,65 @@ MUTATIONS: list[Mutation] = [
          "tests/test_provenance.py::test_a_recipe_copied_out_of_the_checkout_trains_and_says_its_version_is_unknown"
          "[inside-another]"),
         "a recipe copied into a user's repository records that repository's commit, which holds none of its code",
+    ),
+    # ---- issue 38: memory (trainer.out_of_memory=halve, trainer.activation_checkpointing) ------------
+    Mutation(
+        "retry-forgets-the-samples", "common/run.py",
+        "plan.groups(self.telemetry.batches(micro_batches), keep=self._step_start is not None)",
+        "plan.groups(self.telemetry.batches(micro_batches), keep=False)",
+        (f"{REDONE}[fashion_mnist]", f"{REDONE}[timm_imagenet]"),
+        "a step that ran out of memory is redone on the next batches: some samples are skipped, others seen twice",
+    ),
+    Mutation(
+        "retry-forgets-the-random-draws", "common/run.py",
+        "        self._step_start.restore()\n", "",
+        (f"{REDONE}[fungitastic]", f"{REDONE}[cifar100_resnet50]"),
+        "the redone step draws other dropout and augmentation, counts the failed attempt's loss and BatchNorm batches",
+    ),
+    Mutation(
+        "retry-of-a-non-memory-error", "common/run.py",
+        "if not isinstance(error, torch.OutOfMemoryError) or not self._in_forward_backward:",
+        "if not self._in_forward_backward:",
+        (f"{OOM}test_an_error_that_is_not_memory_is_not_retried",),
+        "a bug, a bad input or a NaN check in the loop is retried with smaller micro-batches instead of reported",
+    ),
+    Mutation(
+        "ranks-never-agree-on-the-micro-batch", "common/run.py",
+        "        if len(set(micro_batches)) <= 1:\n            return\n        size = min(micro_batches)",
+        "        if True:\n            return\n        size = min(micro_batches)",
+        (f"{TWO_RANKS_AGREE}[fashion_mnist-failing0]",),
+        "the ranks that did not run out keep the large micro-batch: the run's records and summary disagree with them",
+    ),
+    Mutation(
+        "halve-mode-reduces-no-gradients", "common/run.py",
+        "        all_reduce_gradients(self.model)\n", "",
+        (f"{TWO_RANKS_AGREE}[fashion_mnist-failing0]",),
+        "with trainer.out_of_memory=halve on several ranks each rank trains on its own gradients: they drift apart",
+    ),
+    Mutation(
+        "fsdp-retry-keeps-its-iteration-state", "common/out_of_memory.py",
+        "        model.reset_iter_state()\n", "        pass\n",
+        (f"{TWO_RANKS_AGREE}[timm_imagenet-fsdp-failing1]",),
+        "under FSDP2 the redone step and every later one apply no gradient: the weights stop changing",
+    ),
+    Mutation(
+        "halved-size-forgotten-on-resume", "common/run.py",
+        'if self.out_of_memory == "halve" and progress.micro_batch_found_on == self._device_key:',
+        "if False:",
+        (f"{OOM}test_the_size_is_kept_on_the_same_device_and_tried_again_on_another",),
+        "every requeue on the same small GPU runs out of memory again first, and a resumed run is not bit-exact",
+    ),
+    Mutation(
+        "checkpointed-block-redraws-its-dropout", "common/pytorch/activation_checkpointing.py",
+        "    return checkpoint(forward, *args, use_reentrant=False, context_fn=",
+        "    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, context_fn=",
+        (f"{CHECKPOINTED}[fungitastic]", f"{CHECKPOINTED}[timm_imagenet-vit]"),
+        "with activation checkpointing, dropout and drop path draw again in the backward pass: wrong gradients",
+    ),
+    Mutation(
+        "checkpointed-block-counts-its-batchnorm-twice", "common/pytorch/activation_checkpointing.py",
+        "        norm.momentum = 0.0\n", "        norm.momentum = norm.momentum\n",
+        (f"{CHECKPOINTED}[tv_segmentation]", f"{CHECKPOINTED}[cifar100_resnet50]"),
+        "with activation checkpointing BatchNorm's running statistics move twice a step: another model is evaluated",
     ),
 ]
