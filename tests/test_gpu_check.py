@@ -60,19 +60,24 @@ def test_the_training_step_is_found_in_every_train_py(recipe: str) -> None:
     grad_norm = next(n for n, line in enumerate(lines, 1) if "run.clip_grad_norm(" in line)
     loop = next(n for n, line in enumerate(lines, 1) if "in run.steps(" in line)
     reduce_for_logging = next(n for n, line in enumerate(lines, 1) if "train_sums.reduce()" in line)
-    backward = next(n for n, line in enumerate(lines, 1) if ".backward()" in line and n in step)
+    micro_batch = micro_batch_call(lines)  # the forward and backward passes, in a helper the step calls
     assert increment in step and increment not in allowed
     assert grad_norm in step and grad_norm not in allowed, "the gradient norm of every step must not sync"
     assert loop in allowed, "the run contract saves between steps, on the loop's line"
-    assert reduce_for_logging in allowed and backward not in allowed
+    assert reduce_for_logging in allowed and micro_batch in step and micro_batch not in allowed
     assert not any("def save" in lines[n - 1] or "def run_eval" in lines[n - 1] for n in step)
+
+
+def micro_batch_call(lines: list[str]) -> int:
+    """The line where a recipe's step calls its micro-batch helper (forward and backward passes)."""
+    return next(n for n, line in enumerate(lines, 1) if line.strip().startswith("forward_backward("))
 
 
 def test_a_sync_inside_the_step_fails_and_one_in_the_logging_branch_does_not(tmp_path: Path) -> None:
     train_py = REPO / "recipes" / "fashion_mnist" / "train.py"
     lines = train_py.read_text().splitlines()
     reduce_for_logging = next(n for n, line in enumerate(lines, 1) if "train_sums.reduce()" in line)
-    backward = next(n for n, line in enumerate(lines, 1) if ".backward()" in line)
+    backward = micro_batch_call(lines)
     syncs = tmp_path / "fashion_mnist" / "syncs.json"
     syncs.parent.mkdir()
     syncs.write_text(json.dumps({str(reduce_for_logging): 3, "outside train.py": 40}))
@@ -88,10 +93,10 @@ def test_a_sync_in_a_helper_is_judged_by_the_frame_that_called_it_from_the_step(
     train_py = REPO / "recipes" / "fashion_mnist" / "train.py"
     step, allowed = step_lines(train_py)
     lines = train_py.read_text().splitlines()
-    helper = next(n for n, line in enumerate(lines, 1) if line.startswith("def ")) + 1  # a body line outside the step
+    helper = next(n for n, line in enumerate(lines, 1) if ".backward()" in line)  # forward_backward's, outside
     reduce_for_logging = next(n for n, line in enumerate(lines, 1) if "train_sums.reduce()" in line)
-    backward = next(n for n, line in enumerate(lines, 1) if ".backward()" in line)
-    assert helper not in step
+    backward = micro_batch_call(lines)  # where the step calls forward_backward
+    assert helper not in step and backward in step
     syncs = tmp_path / "fashion_mnist" / "syncs.json"
     syncs.parent.mkdir()
     syncs.write_text(json.dumps({f"{helper},{reduce_for_logging}": 2, str(helper): 5, "outside train.py": 1}))
@@ -120,7 +125,7 @@ def test_the_tracer_records_every_train_py_frame_innermost_first_and_the_call_th
 
 def test_a_sync_in_the_step_names_the_call_that_synced(tmp_path: Path) -> None:
     train_py = REPO / "recipes" / "fashion_mnist" / "train.py"
-    backward = next(n for n, line in enumerate(train_py.read_text().splitlines(), 1) if ".backward()" in line)
+    backward = micro_batch_call(train_py.read_text().splitlines())
     syncs = tmp_path / "fashion_mnist" / "syncs.json"
     syncs.parent.mkdir()
     syncs.write_text(json.dumps({f"{backward} at torchvision/ops/roi_align.py:281": 3}))
