@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The one command for a lent GPU machine (about 15 minutes of it in all): gpu-check --quick, then
 # make bench-peers, each under a timeout, their outputs gathered into $OUT (default /tmp/gpu-session).
+# PARTS picks what runs (default "check peers"); PARTS=memory runs benchmarks/memory.py alone (about
+# 5 minutes: the largest batch and images/s with and without activation checkpointing, and FSDP2 on
+# one GPU), whose table lands in benchmarks/RESULTS.md.
 #
 # Before the checkout travels (it carries no .venv), put beside it, git-ignored:
 #   mkdir -p .whl && cp ../shared/device-wheels/*.whl .whl/                 # hydra-core and the rest
@@ -10,12 +13,21 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu-session}
+PARTS=" ${PARTS:-check peers} "
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-timeout 300 python3 -m benchmarks.gpu_check --quick > "$OUT/gpu_check.txt" 2>&1
-echo "gpu_check --quick: exit $?" | tee -a "$OUT/summary.txt"
-timeout 330 python3 -m benchmarks.peers --timm .peers/timm --out /tmp/bench-peers > "$OUT/peers.txt" 2>&1
-echo "bench-peers: exit $?" | tee -a "$OUT/summary.txt"
+if [[ $PARTS == *" check "* ]]; then
+    timeout 300 python3 -m benchmarks.gpu_check --quick > "$OUT/gpu_check.txt" 2>&1
+    echo "gpu_check --quick: exit $?" | tee -a "$OUT/summary.txt"
+fi
+if [[ $PARTS == *" peers "* ]]; then
+    timeout 330 python3 -m benchmarks.peers --timm .peers/timm --out /tmp/bench-peers > "$OUT/peers.txt" 2>&1
+    echo "bench-peers: exit $?" | tee -a "$OUT/summary.txt"
+fi
+if [[ $PARTS == *" memory "* ]]; then
+    timeout 480 python3 -m benchmarks.run --only memory > "$OUT/memory.txt" 2>&1
+    echo "memory: exit $?" | tee -a "$OUT/summary.txt"
+fi
 cp -f benchmarks/RESULTS.md benchmarks/gpu_check.json /tmp/bench-peers/peers.json "$OUT/" 2>/dev/null
-tail -n 40 "$OUT/gpu_check.txt" "$OUT/peers.txt"
+tail -n 40 "$OUT"/gpu_check.txt "$OUT"/peers.txt "$OUT"/memory.txt 2>/dev/null
