@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from common.data.image_batches import Normalize
 from common.data.images import DeviceTrainInput, ResizedImages, TrainImages, collate_train
-from common.data.loaders import PerSampleSeeded, make_loader
+from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main
 from common.errors import UserError
@@ -170,8 +170,8 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     train_images = PerSampleSeeded(TrainImages(train_files.paths, torch.from_numpy(train_files.labels), augmentation,
                                                cfg.data.decode, cfg.data.draft_decode), cfg.seed)
     # Own generator: creating an iterator must not draw from the global RNG that drop path uses.
-    train_loader = make_loader(train_images, sampler, plan.micro_batch, cfg.trainer.num_workers, device.type == "cuda",
-                               collate_fn=collate_train, drop_last=plan.drop_last, generator=torch.Generator())
+    train_loader = make_train_loader(train_images, plan.epoch_batches(), cfg.trainer.num_workers, device.type == "cuda",
+                                     collate_fn=collate_train, generator=torch.Generator())
     train_input = DeviceTrainInput(augmentation, cfg.data.decode, *input_normalization(cfg.model, cfg.data.image_size),
                                    device)
 

@@ -29,7 +29,7 @@ from timm.utils import ModelEmaV3
 
 from common.data.image_batches import Normalize
 from common.data.images import DeviceTrainInput, TrainImages, collate_train
-from common.data.loaders import PerSampleSeeded, make_loader
+from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.data.staging import stage_directory
 from common.entry import recipe_main
@@ -143,9 +143,8 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
         sampler = ResumableDistributedSampler(len(train_images), dist_info.rank, dist_info.world_size,
                                               seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
     plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.drop_partial_batch)
-    train_loader = make_loader(PerSampleSeeded(train_images, cfg.seed), sampler, plan.micro_batch,
-                               cfg.trainer.num_workers, device.type == "cuda", collate_fn=collate_train,
-                               drop_last=plan.drop_last)
+    train_loader = make_train_loader(PerSampleSeeded(train_images, cfg.seed), plan.epoch_batches(),
+                                     cfg.trainer.num_workers, device.type == "cuda", collate_fn=collate_train)
 
     # ---- optimization: LR rule, timm optimizer and schedule, Mixup, loss -----------------------
     lr = scaled_lr(cfg.optim.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
