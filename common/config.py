@@ -47,6 +47,7 @@ class Decode(str, Enum):
 
     cpu = "cpu"  # DataLoader workers decode, crop and augment; uint8 batches reach the device
     gpu = "gpu"  # workers read the files' bytes; the training device decodes (nvjpeg) and crops each batch
+    auto = "auto"  # cpu while the rank's cores keep up with the model on its GPU, else gpu (data/decode_choice.py)
 
 
 class Nonfinite(str, Enum):

@@ -293,6 +293,17 @@ def collate_train(batch: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, An
 # ---- main-process side: the device does the float work ----------------------------------------
 
 
+def gpu_decode_unsupported(augmentation: TrainAugmentation) -> str | None:
+    """Why ``data.decode=gpu`` cannot run ``augmentation`` (and the fix), or None when it can."""
+    if augmentation.per_sample_takes_pil:
+        return ("the per-sample augmentation runs on the device there, and this one (a timm policy) works on PIL "
+                "images only: use data.decode=cpu, or a torchvision policy (ta_wide)")
+    if augmentation.interpolation != "bilinear":
+        return (f"the device resizes bilinearly (roi_align), not {augmentation.interpolation}: set "
+                f"data.interpolation=bilinear or use data.decode=cpu")
+    return None
+
+
 class DeviceTrainInput:
     """A batch of :class:`TrainImages` samples to the model's input, on the device: decoding,
     crop, flip and the per-sample policy (``decode=gpu``), then colour jitter, normalisation and
@@ -303,19 +314,17 @@ class DeviceTrainInput:
                  batch_augmentation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.augmentation = augmentation
         self.decode = Decode(decode)
+        if self.decode == Decode.auto:
+            raise ValueError("data.decode=auto is resolved first (common/data/decode_choice.py)")
         self.device = device
         self.normalize = Normalize(mean, std, device)
         self.batch_augmentation = batch_augmentation
         self.grey_weights = torch.tensor(_GREY_WEIGHTS, device=device).view(1, 3, 1, 1)
         self.decode_stream = torch.cuda.Stream(device) if self.decode == Decode.gpu and device.type == "cuda" else None
         if self.decode == Decode.gpu:
-            if augmentation.per_sample_takes_pil:
-                raise UserError("data.decode=gpu runs the per-sample augmentation on the device, and this one "
-                                "(a timm policy) works on PIL images only: use data.decode=cpu, or a torchvision "
-                                "policy (ta_wide)")
-            if augmentation.interpolation != "bilinear":
-                raise UserError(f"data.decode=gpu resizes bilinearly (roi_align), not {augmentation.interpolation}: "
-                                "set data.interpolation=bilinear or use data.decode=cpu")
+            unsupported = gpu_decode_unsupported(augmentation)
+            if unsupported:
+                raise UserError(f"data.decode=gpu: {unsupported}")
             self.check_the_decoder()
         self.device_policy = None  # the per-sample policy, run on the device (decode=gpu) for a whole batch
         if self.decode == Decode.gpu and augmentation.per_sample is not None:

@@ -35,7 +35,7 @@ class DataConfig:
     randaugment_magnitude: int = 20
     horizontal_flip: bool = False
     draft_decode: bool = True  # let libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale (never below image_size)
-    decode: Decode = Decode.cpu  # training JPEGs: cpu = decoded and cropped in DataLoader workers; gpu = on the device
+    decode: Decode = Decode.auto  # training JPEGs: cpu = in DataLoader workers; gpu = on the device; auto = the faster
     skip_missing: bool = False  # rows whose image file is missing: false = stop with an error, true = skip them
     test_split: bool = True  # evaluate the final model on the test split (its CSV must have labels)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.data.decode_choice import choose_train_decode
 from common.data.image_batches import Normalize
 from common.data.images import DeviceTrainInput, ResizedImages, TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
@@ -167,12 +168,14 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
                                           seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
     plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.keep)
     augmentation = train_augmentation(cfg.data)
+    decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_files.paths, cfg.data.draft_decode,
+                                 model, cfg.data.image_size, device)  # data.decode=auto measures both sides
     train_images = PerSampleSeeded(TrainImages(train_files.paths, torch.from_numpy(train_files.labels), augmentation,
-                                               cfg.data.decode, cfg.data.draft_decode), cfg.seed)
+                                               decode.decode, cfg.data.draft_decode), cfg.seed)
     # Own generator: creating an iterator must not draw from the global RNG that drop path uses.
     train_loader = make_train_loader(train_images, plan.epoch_batches(), cfg.trainer.num_workers, device.type == "cuda",
                                      collate_fn=collate_train, generator=torch.Generator())
-    train_input = DeviceTrainInput(augmentation, cfg.data.decode, *input_normalization(cfg.model, cfg.data.image_size),
+    train_input = DeviceTrainInput(augmentation, decode.decode, *input_normalization(cfg.model, cfg.data.image_size),
                                    device)
 
     # ---- optimization: LR rule, layer-wise groups, schedule ---------------------------------
@@ -202,7 +205,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     run.console(
         f"fungitastic: {cfg.model.name} with heads {', '.join(f'{r} ({num_classes[r]})' for r in levels)} on "
         f"{dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, lr {lr:g}, {plan.total} steps; images "
-        f"decoded on {cfg.data.decode.value} by {train_loader.num_workers} loader workers per rank"
+        f"decoded on {decode.decode.value} by {train_loader.num_workers} loader workers per rank ({decode.reason})"
     )
 
     def run_eval(split: str) -> dict[str, float]:

@@ -32,7 +32,7 @@ class DataConfig:
     val_split: str = "val"
     stage_to_local: bool = False  # copy data.root to stage_dir first (local rank 0 copies, the others wait)
     stage_dir: str = "${oc.env:TMPDIR,/tmp}"  # node-local disk; SLURM sets TMPDIR per job on most clusters
-    decode: Decode = Decode.cpu  # training JPEGs: cpu = decoded and cropped in DataLoader workers; gpu = on the device
+    decode: Decode = Decode.auto  # training JPEGs: cpu = in DataLoader workers; gpu = on the device; auto = the faster
     draft_decode: bool = True  # decode at 1/2, 1/4 or 1/8 scale when the crop stays >= the output size (cpu)
     # Resolutions: 0 / "" / 0.0 take the model's own default (timm's resolve_data_config).
     train_size: int = 224

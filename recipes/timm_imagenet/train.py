@@ -27,6 +27,7 @@ from timm.optim import create_optimizer_v2, list_optimizers
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
+from common.data.decode_choice import choose_train_decode
 from common.data.image_batches import Normalize
 from common.data.images import DeviceTrainInput, TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
@@ -122,9 +123,11 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     train_config = resolve(model, cfg.data.train_size, 0.0, cfg.data.interpolation)
     eval_config = resolve(model, cfg.data.eval_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
     augmentation = train_augmentation(cfg.data, train_config)
-    train_images = TrainImages([path for path, _ in train_folder.samples], train_folder.targets, augmentation,
-                               cfg.data.decode, cfg.data.draft_decode)
-    train_input = DeviceTrainInput(augmentation, cfg.data.decode, train_config["mean"], train_config["std"], device,
+    train_paths = [path for path, _ in train_folder.samples]
+    decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_paths, cfg.data.draft_decode, model,
+                                 train_config["input_size"][-1], device)  # data.decode=auto measures both sides
+    train_images = TrainImages(train_paths, train_folder.targets, augmentation, decode.decode, cfg.data.draft_decode)
+    train_input = DeviceTrainInput(augmentation, decode.decode, train_config["mean"], train_config["std"], device,
                                    random_erasing(cfg.data, device))
     ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
     ddp_model = data_parallel(model, dist_info)
@@ -174,8 +177,9 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     progress = run.resume()
     run.console(
         f"timm_imagenet: {cfg.model.name}, {num_classes} classes, {len(train_images)} train images from {root}\n"
-        f"  train {describe_input(train_config, with_crop=False)} decoded on {cfg.data.decode.value}, eval "
+        f"  train {describe_input(train_config, with_crop=False)} decoded on {decode.decode.value}, eval "
         f"{describe_input(eval_config, with_crop=True)}, {train_loader.num_workers} loader workers per rank\n"
+        f"  {decode.reason}\n"
         f"  {dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, {cfg.optim.opt} lr {lr:g}, "
         f"{plan.total} steps"
     )
