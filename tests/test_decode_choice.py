@@ -80,9 +80,10 @@ def test_measuring_the_model_leaves_its_weights_buffers_gradients_and_the_genera
     assert torch.equal(torch.get_rng_state(), generator)
 
 
-@pytest.mark.parametrize("decode", [Decode.auto])
-def test_the_pipelines_refuse_an_unresolved_auto(decode: Decode) -> None:
-    from common.data.images import DeviceTrainInput, TrainAugmentation
+def test_the_pipelines_refuse_an_unresolved_auto() -> None:
+    from common.data.images import DeviceTrainInput, TrainAugmentation, TrainImages
 
     with pytest.raises(ValueError, match="resolved first"):
-        DeviceTrainInput(TrainAugmentation(size=8), decode, [0.5] * 3, [0.5] * 3, CPU)
+        DeviceTrainInput(TrainAugmentation(size=8), Decode.auto, [0.5] * 3, [0.5] * 3, CPU)
+    with pytest.raises(ValueError, match="resolved first"):
+        TrainImages([], [], TrainAugmentation(size=8), Decode.auto)

@@ -198,6 +198,8 @@ class TrainImages(Dataset):
         self.labels = labels
         self.augmentation = augmentation
         self.decode = Decode(decode)
+        if self.decode == Decode.auto:
+            raise ValueError("data.decode=auto is resolved first (common/data/decode_choice.py)")
         self.draft_decode = draft_decode
 
     def __len__(self) -> int:
