@@ -552,4 +552,26 @@ MUTATIONS: list[Mutation] = [
          "[inside-another]"),
         "a recipe copied into a user's repository records that repository's commit, which holds none of its code",
     ),
+    # ---- issue 35: what a step costs, and the data that feeds it -------------------------------------
+    Mutation(
+        "loader-iterator-per-epoch", "common/run.py",
+        "        if self._stream is None or self._stream[0] is not micro_batches or self._stream_at != at:",
+        "        if True:",
+        ("tests/test_loaders.py::test_the_next_epochs_first_batches_are_asked_for_before_the_epoch_ends",),
+        "every epoch starts its loader anew: the workers decode its first batches only when the GPU waits for them",
+    ),
+    Mutation(
+        "metric-sums-copy-before-adding", "common/pytorch/metrics.py",
+        "                value = value.detach().to(self.device)\n",
+        "                value = value.detach().to(self.device, self._dtype)\n",
+        ("tests/test_step_operators.py::test_a_steady_step_adds_at_most_the_budgeted_operators_to_the_bare_step",),
+        "two more kernels in every training step, unnoticed",
+    ),
+    Mutation(
+        "decode-auto-ignores-the-measurements", "common/data/decode_choice.py",
+        "decode = Decode.cpu if supply >= HEADROOM * demand else Decode.gpu", "decode = Decode.cpu",
+        ("tests/test_decode_choice.py::"
+         "test_auto_decodes_on_the_cpu_while_its_cores_keep_up_with_the_model_and_on_the_gpu_below",),
+        "data.decode=auto decodes on a node's few cores while the GPU waits",
+    ),
 ]
