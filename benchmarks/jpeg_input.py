@@ -34,7 +34,7 @@ from torchvision.transforms import v2
 
 from benchmarks.results import Result
 from common.config import Decode
-from common.data.images import TrainImages, collate_train
+from common.data.images import PathImages, TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded
 from common.entry import compose_config, typed_config
 from recipes.tv_segmentation.coco import voc_palette
@@ -130,8 +130,8 @@ def timm_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callable]]:
     labels = [0] * len(images)
     return {
         "before: PIL, float in the worker": (PilPipeline(images, before), default_collate),
-        "uint8 CPU pipeline": (TrainImages(images, labels, augmentation, Decode.cpu), collate_train),
-        "GPU pipeline, CPU side": (TrainImages(images, labels, augmentation, Decode.gpu), collate_train),
+        "uint8 CPU pipeline": (TrainImages(PathImages(images, labels), augmentation, Decode.cpu), collate_train),
+        "GPU pipeline, CPU side": (TrainImages(PathImages(images, labels), augmentation, Decode.gpu), collate_train),
     }
 
 
@@ -147,8 +147,8 @@ def fungitastic_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callabl
     return {
         "before: PIL draft decoding, uint8": (PilPipeline(images, before, draft_size=size, to_tensor=True),
                                               default_collate),
-        "uint8 CPU pipeline": (TrainImages(images, labels, augmentation, Decode.cpu), collate_train),
-        "GPU pipeline, CPU side": (TrainImages(images, labels, augmentation, Decode.gpu), collate_train),
+        "uint8 CPU pipeline": (TrainImages(PathImages(images, labels), augmentation, Decode.cpu), collate_train),
+        "GPU pipeline, CPU side": (TrainImages(PathImages(images, labels), augmentation, Decode.gpu), collate_train),
     }
 
 

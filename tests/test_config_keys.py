@@ -100,10 +100,12 @@ def sampler_order(p: Probe) -> list[Any]:
 
 
 def train_files(p: Probe) -> list[str]:
-    """The image files the training loader reads."""
+    """The image files the training loader reads (or the shards it reads them from)."""
     dataset = p.micro_batches.dataset
     while not hasattr(dataset, "paths"):
-        dataset = dataset.dataset  # PerSampleSeeded
+        dataset = getattr(dataset, "dataset", None) or dataset.images  # PerSampleSeeded, TrainImages
+        if hasattr(dataset, "location"):  # ShardImages
+            return [dataset.location, dataset.cache_dir, dataset.cache_limit]
     return sorted(map(str, dataset.paths))
 
 

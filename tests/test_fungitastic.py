@@ -18,7 +18,7 @@ import torch
 from sklearn.metrics import f1_score
 from sklearn.utils.class_weight import compute_class_weight
 
-from common.data.images import ResizedImages
+from common.data.images import PathImages, ResizedImages
 from common.entry import user_message
 from common.errors import UserError
 from recipes.fungitastic import metadata
@@ -166,7 +166,7 @@ def test_a_corrupt_jpeg_is_one_line_even_when_a_dataloader_worker_reports_it(tmp
 
     (tmp_path / "broken.JPG").write_bytes(b"not a jpeg")
     with pytest.raises(UserError) as raised:
-        ResizedImages([str(tmp_path / "broken.JPG")], [0], 32)[0]
+        ResizedImages(PathImages([str(tmp_path / "broken.JPG")], [0]), 32)[0]
     expected = f"{tmp_path / 'broken.JPG'} is not a readable image"
     assert str(raised.value).startswith(expected)
     try:  # what the main process receives when a worker raised it
