@@ -582,6 +582,8 @@ class Resources:
         copy = self.tmp / "fungi_missing"
         shutil.copytree(trained_runs.fungi_data(self.factory), copy)
         next(iter(sorted((copy / "FungiTastic-Mini" / "train").rglob("*.JPG")))).unlink()
+        for saved in (copy / "prepared").rglob("*.index.npz"):  # listed before the image went: listed again
+            saved.unlink()
         return copy
 
     def fungi_class_weights(self) -> Path:

@@ -245,7 +245,8 @@ class IndexedFiles(Dataset):
     def __init__(self, root: str | Path, index: FileIndex, label_columns: Sequence[int] | None = None) -> None:
         self.root = str(root)
         self.index = index
-        self.labels = torch.from_numpy(index.labels if label_columns is None else index.labels[:, list(label_columns)])
+        self.labels = torch.from_numpy(index.labels)
+        self.label_columns = label_columns
 
     def __len__(self) -> int:
         return len(self.index)
@@ -259,5 +260,6 @@ class IndexedFiles(Dataset):
 
     def __getitem__(self, index: int) -> EncodedImage:
         path = self.path(index)
+        label = self.labels[index] if self.label_columns is None else self.labels[index, self.label_columns]
         return EncodedImage(read_file(path), path, int(self.index.widths[index]), int(self.index.heights[index]),
-                            bool(self.index.device_decodable[index]), self.labels[index])
+                            bool(self.index.device_decodable[index]), label)
