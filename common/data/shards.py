@@ -150,9 +150,13 @@ class ShardImages(Dataset):
         self.label_columns = list(label_columns) if label_columns is not None else None
         folder = local_folder(location)
         if folder is not None and not (folder / INDEX_FILE).is_file():
-            raise UserError(f"{location} holds no shard set (no {INDEX_FILE}): write one with `{fix}`")
+            raise UserError(f"{folder} holds no shard set (no {INDEX_FILE}): write one with `{fix}`")
         self._streaming = None
-        listing = json.loads(Path(self.streaming().input_dir.path, INDEX_FILE).read_text())
+        try:
+            listing = json.loads(Path(self.streaming().input_dir.path, INDEX_FILE).read_text())
+        except (OSError, ValueError, RuntimeError) as error:  # what litdata raises for a remote it cannot read
+            raise UserError(f"{location}: its {INDEX_FILE} cannot be read ({error}); check the address, or write "
+                            f"the shards with `{fix}`") from error
         self.metadata = listing.get(METADATA_KEY)
         if not isinstance(self.metadata, dict):
             raise UserError(f"{location} is a litdata set not written by `{fix}` (its {INDEX_FILE} has no "
@@ -182,8 +186,7 @@ class ShardImages(Dataset):
             try:
                 size = path.stat().st_size
             except OSError:
-                raise UserError(f"{path} is missing from the shard set {self.location}: write the shards again "
-                                f"with `{self.fix}`") from None
+                raise UserError(f"{path} is missing: write the shards again with `{self.fix}`") from None
             if size != chunk["chunk_bytes"]:
                 raise UserError(f"{path} is truncated ({size:,} of {chunk['chunk_bytes']:,} bytes): write the shards "
                                 f"again with `{self.fix}`")
