@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -170,7 +171,10 @@ def test_a_file_changed_in_place_is_caught_when_it_is_decoded(tmp_path: Path, de
 
 
 def _list_on_a_rank(rank: int, root: str, run_dir: str, out: str) -> None:
-    files, path = listed(Path(root), Path(run_dir), rebuild_index=True)
+    if rank == 0:  # a slow listing: the other rank must wait for it, not take the list already there
+        list_split = timm_data.list_split
+        timm_data.list_split = lambda *args: (time.sleep(2), list_split(*args))[1]
+    files, path = timm_data.split_files(DataConfig(root=root, rebuild_index=True), "train", Path(root), run_dir, rank)
     Path(out, f"rank{rank}.json").write_text(json.dumps([files.index.info["token"], files.index.checksum(),
                                                          str(path)]))
 
