@@ -64,17 +64,18 @@ print(time.time() - start, time.time() - imported)
 
 
 def make_tree(root: Path, files: int, classes: int) -> None:
-    """``files`` hard links to a few small JPEGs in ``classes`` folders of ``train/`` (and one of ``val/``)."""
+    """``files`` hard links in ``classes`` folders of ``train/`` (and one per class in ``val/``), each
+    folder's to a small JPEG of its own (a file takes at most 65,000 links on ext4)."""
     rng = np.random.default_rng(0)
     originals = []
-    for i, (width, height) in enumerate([(64, 48), (48, 64), (80, 60), (60, 60)]):
-        originals.append(root / f"original-{i}.JPEG")
-        photo(width, height, rng).save(originals[-1], quality=90)
+    for c in range(classes):
+        originals.append(root / f"original-{c}.JPEG")
+        photo(48 + 8 * (c % 4), 64 - 8 * (c % 3), rng).save(originals[-1], quality=90)
     for split, count in (("train", files), ("val", classes)):
         for c in range(classes):
             (root / split / f"n{c:08d}").mkdir(parents=True)
         for i in tqdm(range(count), desc=f"linking {split}", unit="files", file=sys.stderr, mininterval=5):
-            os.link(originals[i % len(originals)], root / split / f"n{i % classes:08d}" / f"{i}.JPEG")
+            os.link(originals[i % classes], root / split / f"n{i % classes:08d}" / f"{i}.JPEG")
 
 
 def first_batch_seconds(root: Path, way: str) -> tuple[float, float]:
