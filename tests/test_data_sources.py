@@ -396,3 +396,14 @@ def test_sigkill_mid_epoch_on_shards_through_a_cache_resumes_to_the_model_of_an_
               f"data.shards.cache_dir={tmp_path / 'cache'}"]
     summary = kill_signal_resume(TIMM, [*settings, *shards], tmp_path, 1, signal.SIGTERM, reference=reference)
     assert summary["model_digest"] == read_summary(reference)["model_digest"]
+
+
+def test_the_launchers_preflight_checks_the_shards_folder_or_leaves_a_remote_to_the_run(tmp_path: Path) -> None:
+    from cluster.preflight import CheckFailed, check_data
+
+    (tmp_path / "shards").mkdir()
+    assert check_data(TIMM, [f"data.root={tmp_path}", "data.format=shards"]) == str(tmp_path / "shards")
+    assert check_data(TIMM, ["data.root=/nowhere", "data.format=shards", "data.shards.root=s3://bucket/x"]) == \
+        "shards at s3://bucket/x (a remote: the run reads its index.json at start)"
+    with pytest.raises(CheckFailed, match=r"^/nowhere/shards does not exist \(make prep-timm_imagenet FORMAT=shards"):
+        check_data(TIMM, ["data.root=/nowhere", "data.format=shards"])

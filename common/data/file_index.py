@@ -217,9 +217,15 @@ def load_or_build(root: Path, beside_data: Path, run_dir: Path, make: Callable[[
         index = make()
         index.info["token"] = token
         return index, save(index, paths)
+    checked: dict[Path, tuple[int, int]] = {}  # each file as it was when last read: read again once replaced
     while True:  # another rank of this node builds it
         for path in reversed(paths):
-            if path.is_file():
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            if checked.get(path) != (stat.st_ino, stat.st_mtime_ns):
+                checked[path] = (stat.st_ino, stat.st_mtime_ns)
                 index = FileIndex.load(path)
                 if index.info.get("token") == token:
                     return index, path
