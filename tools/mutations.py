@@ -578,7 +578,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "other-rank-takes-an-older-list", "common/data/file_index.py",
-        '                    if index.info.get("token") == token:', "                    if True:",
+        '                if index.info.get("token") == token:', "                if True:",
         (f"{SOURCES}test_on_two_ranks_local_rank_0_lists_and_the_other_waits_for_that_list",),
         "after data.rebuild_index=true the ranks of a node train on different file lists",
     ),
