@@ -74,7 +74,7 @@ def test_end_to_end_learns_stages_data_and_writes_outputs(imagenet: Path, tmp_pa
     assert "data.decode=auto: the device is not a GPU" in result.stdout, "auto says what it chose and why"
     staged = list(stage.iterdir())
     assert len(staged) == 1 and (staged[0] / ".staging-complete").is_file()
-    assert f"from {staged[0]}" in result.stdout
+    assert f"train: 48 images of {staged[0]}, listed in {staged[0] / 'train.index.npz'}" in result.stdout
     assert len(list((staged[0] / "train").rglob("*.JPEG"))) == 48
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert list((run_dir / "checkpoints").glob("AtomicDirectory_checkpoint_*_force")), "no best checkpoint"

@@ -34,6 +34,7 @@ TWO_RANKS = f"{EQUIVALENCE}test_two_ranks_give_the_gradient_of_one_rank_with_the
 DRAWS = "tests/test_augmentation_draws.py::"
 RULES = "tests/test_run_rules.py::"
 DIVERGENCE = "tests/test_divergence.py::"
+SOURCES = "tests/test_data_sources.py::"
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -573,5 +574,74 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_decode_choice.py::"
          "test_auto_decodes_on_the_cpu_while_its_cores_keep_up_with_the_model_and_on_the_gpu_below",),
         "data.decode=auto decodes on a node's few cores while the GPU waits",
+    ),
+    # ---- issue 37: file lists saved once, shards read by index -----------------------------------------
+    Mutation(
+        "file-list-reused-after-the-tree-changed", "common/data/file_index.py",
+        "        changed = index.changes(root)\n        if changed:", "        changed = []\n        if changed:",
+        (f"{SOURCES}test_a_changed_tree_stops_with_one_line_and_is_listed_again_only_when_asked",
+         f"{SOURCES}test_a_damaged_list_or_one_from_another_tree_stops_with_one_line_naming_it[another tree]"),
+        "files added or removed since the list was saved are never read, and a list from another tree trains on "
+        "that tree's names",
+    ),
+    Mutation(
+        "file-list-checksum-not-checked", "common/data/file_index.py",
+        'if info.get("format") != FORMAT or index.checksum() != info.get("checksum"):',
+        'if info.get("format") != FORMAT:',
+        (f"{SOURCES}test_a_damaged_list_or_one_from_another_tree_stops_with_one_line_naming_it[checksum]",),
+        "a damaged list trains on wrong labels or crops",
+    ),
+    Mutation(
+        "decoded-size-not-checked-against-the-list", "common/data/images.py",
+        "    if (decoded[0], decoded[1]) != (math.ceil(height / reduction), math.ceil(width / reduction)):",
+        "    if False:",
+        (f"{SOURCES}test_a_file_changed_in_place_is_caught_when_it_is_decoded",),
+        "an image replaced in place is cropped where it has no pixels (black or shifted crops, no error)",
+    ),
+    Mutation(
+        "other-rank-takes-an-older-list", "common/data/file_index.py",
+        '                if index.info.get("token") == token:', "                if True:",
+        (f"{SOURCES}test_on_two_ranks_local_rank_0_lists_and_the_other_waits_for_that_list",),
+        "after data.rebuild_index=true the ranks of a node train on different file lists",
+    ),
+    Mutation(
+        "shard-reader-orders-itself", "common/data/shards.py",
+        "        sample = self.streaming()[index]\n"
+        "        name = f\"{self.location}[{index}] ({sample['name']})\"\n"
+        "        if sample[\"index\"] != index:",
+        "        self.__dict__[\"_read\"] = self.__dict__.get(\"_read\", -1) + 1  # its own order, not the sampler's\n"
+        "        sample = self.streaming()[self._read % self.length]\n"
+        "        name = f\"{self.location}[{index}] ({sample['name']})\"\n"
+        "        if False:",
+        (f"{SOURCES}test_shards_from_a_folder_or_a_remote_give_the_batches_evaluation_and_model_of_files"
+         "[timm_imagenet-cpu]",
+         f"{SOURCES}test_samples_read_by_two_ranks_then_one_are_the_epochs_samples_once_each_as_files_give_them"),
+        "runs on shards see other samples and augmentations than on files, and a resume repeats or skips samples",
+    ),
+    Mutation(
+        "shard-order-not-checked", "common/data/shards.py",
+        '        if sample["index"] != index:', "        if False:",
+        (f"{SOURCES}test_a_shard_set_whose_samples_are_out_of_order_stops_at_the_first_misplaced_sample",),
+        "a shard set written or listed out of order trains on the wrong labels without a word",
+    ),
+    Mutation(
+        "shard-sizes-not-checked", "common/data/shards.py",
+        '            if size != chunk["chunk_bytes"]:', "            if False:",
+        (f"{SOURCES}test_a_truncated_or_missing_shard_stops_before_any_work_with_one_line[truncated]",),
+        "a truncated shard makes litdata wait for the rest of the chunk and fail mid-run with a traceback",
+    ),
+    Mutation(
+        "other-datasets-shards-accepted", "common/data/shards.py",
+        "        wrong = {key: self.metadata.get(key) for key, value in expect.items() "
+        "if self.metadata.get(key) != value}",
+        "        wrong = {}",
+        (f"{SOURCES}test_shards_of_another_dataset_stop_with_one_line",),
+        "a run trains on another dataset's shards, or on labels encoded with other label spaces",
+    ),
+    Mutation(
+        "shard-cache-unbounded", "common/data/shards.py",
+        "                self._streaming._on_demand_bytes = False", "                pass",
+        (f"{SOURCES}test_a_remote_is_read_through_a_node_local_cache_bounded_by_its_limit",),
+        "reading a remote fills the node's disk with every chunk whatever data.shards.cache_limit says",
     ),
 ]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset, Subset
 
 from common.config import Decode, Precision, TrainerConfig
 from common.data.images import TrainAugmentation, TrainImages, gpu_decode_unsupported
@@ -110,12 +111,13 @@ def model_rate(model: torch.nn.Module, batch: int, image_size: int, precision: P
 
 
 def choose_train_decode(configured: Decode, trainer: TrainerConfig, augmentation: TrainAugmentation,
-                        paths: list[str], draft_decode: bool, model: torch.nn.Module, image_size: int,
+                        images: Dataset, draft_decode: bool, model: torch.nn.Module, image_size: int,
                         device: torch.device) -> DecodeChoice:
-    """:func:`choose_decode` for a recipe's training JPEGs (``paths``) and its built ``model``, with
-    the ``trainer`` node's workers, micro-batch, precision and determinism. Collective."""
+    """:func:`choose_decode` for a recipe's training images (``images``: their source, files or shards)
+    and its built ``model``, with the ``trainer`` node's workers, micro-batch, precision and
+    determinism. Collective."""
     workers = trainer.num_workers if trainer.num_workers >= 0 else cpu_cores_per_rank()
-    files = TrainImages(paths[:_SAMPLE_FILES], [0] * min(len(paths), _SAMPLE_FILES), augmentation, Decode.cpu,
+    files = TrainImages(Subset(images, range(min(len(images), _SAMPLE_FILES))), augmentation, Decode.cpu,
                         draft_decode)
     seeded = PerSampleSeeded(files, seed=0)  # the augmentation draws from the global generators: left as they are
     return choose_decode(

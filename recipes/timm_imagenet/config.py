@@ -14,6 +14,7 @@ from typing import Any
 
 from common.config import (
     CheckpointConfig,
+    DataFormat,
     Decode,
     EmaConfig,
     LoggingConfig,
@@ -21,6 +22,7 @@ from common.config import (
     MixupConfig,
     Precision,
     RunConfig,
+    ShardsConfig,
     TrainerConfig,
 )
 
@@ -30,6 +32,9 @@ class DataConfig:
     root: str = "data/imagenet"  # ImageFolder tree: <root>/train/<wnid>/*.JPEG, <root>/val/<wnid>/*.JPEG
     train_split: str = "train"
     val_split: str = "val"
+    format: DataFormat = DataFormat.files  # files: the tree, listed once (<root>/<split>.index.npz); shards
+    shards: ShardsConfig = field(default_factory=ShardsConfig)  # data.format=shards: <shards.root>/<split>
+    rebuild_index: bool = False  # list the tree's files again, even when its saved list is up to date
     stage_to_local: bool = False  # copy data.root to stage_dir first (local rank 0 copies, the others wait)
     stage_dir: str = "${oc.env:TMPDIR,/tmp}"  # node-local disk; SLURM sets TMPDIR per job on most clusters
     decode: Decode = Decode.auto  # training JPEGs: cpu = in DataLoader workers; gpu = on the device; auto = the faster
