@@ -13,6 +13,7 @@ NPROC ?= 1
 SOURCE ?=
 WEIGHTS ?=
 EXPERIMENT ?=
+FORMAT ?=
 PYTEST_ARGS ?=
 # pytest-xdist workers: one more than the cores this process may use. Part of the suite waits (on
 # SLURM, on paced runs, on torchrun's stop windows) and the extra worker keeps the cores busy then.
@@ -40,9 +41,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 
-prep-%: $(STAMP) FORCE ## Prepare a recipe's data and pretrained weights (SOURCE=, WEIGHTS=<dir or file>, EXPERIMENT=<preset>)
+prep-%: $(STAMP) FORCE ## Prepare a recipe's data and pretrained weights (SOURCE=, WEIGHTS=<dir or file>, EXPERIMENT=<preset>, FORMAT=shards)
 	$(PY) -m data_prep.$* $(if $(SOURCE),--source "$(SOURCE)") $(if $(WEIGHTS),--weights "$(WEIGHTS)") \
-		$(if $(EXPERIMENT),"+experiment=$(EXPERIMENT)")
+		$(if $(FORMAT),--format "$(FORMAT)") $(if $(EXPERIMENT),"+experiment=$(EXPERIMENT)")
 
 train-fashion_mnist: prep-fashion_mnist
 

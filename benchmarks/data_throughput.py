@@ -146,7 +146,7 @@ def dinov2_fsdp(workdir: Path) -> Pipeline:
 def timm_imagenet(workdir: Path) -> Pipeline:
     import timm
 
-    from common.data.images import TrainImages, collate_train
+    from common.data.images import PathImages, TrainImages, collate_train
     from recipes.timm_imagenet.data import resolve, train_augmentation
 
     rng = np.random.default_rng(0)
@@ -159,7 +159,8 @@ def timm_imagenet(workdir: Path) -> Pipeline:
     cfg = typed_config(compose_config("timm_imagenet", [f"data.root={workdir / 'imagenet'}"]))
     model = timm.create_model(cfg.model.name, pretrained=False)
     data_config = resolve(model, cfg.data.train_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
-    dataset = TrainImages(paths, [0] * len(paths), train_augmentation(cfg.data, data_config), cfg.data.decode)
+    dataset = TrainImages(PathImages(paths, [0] * len(paths)), train_augmentation(cfg.data, data_config),
+                          cfg.data.decode)
     size = data_config["input_size"][-1]
     return Pipeline(32, worker_batches(dataset, 32, cfg.seed, collate_train), model, torch.randn(2, 3, size, size),
                     True)
@@ -194,7 +195,7 @@ def tv_segmentation(workdir: Path) -> Pipeline:
 def fungitastic(workdir: Path) -> Pipeline:
     import timm
 
-    from common.data.images import TrainImages, collate_train
+    from common.data.images import PathImages, TrainImages, collate_train
     from recipes.fungitastic.data import train_augmentation
 
     rng = np.random.default_rng(0)
@@ -206,7 +207,8 @@ def fungitastic(workdir: Path) -> Pipeline:
         paths.append(str(path))
     cfg = typed_config(compose_config("fungitastic", [f"data.root={workdir / 'fungi'}"]))
     labels = torch.zeros(len(paths), len(cfg.data.levels), dtype=torch.int64)
-    dataset = TrainImages(paths, labels, train_augmentation(cfg.data), cfg.data.decode, cfg.data.draft_decode)
+    dataset = TrainImages(PathImages(paths, labels), train_augmentation(cfg.data), cfg.data.decode,
+                          cfg.data.draft_decode)
     model = timm.create_model(cfg.model.name, pretrained=False)
     size = cfg.data.image_size
     return Pipeline(cfg.trainer.batch_size, worker_batches(dataset, cfg.trainer.batch_size, cfg.seed, collate_train),

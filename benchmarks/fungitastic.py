@@ -20,7 +20,7 @@ from PIL import Image
 
 from benchmarks.results import Result
 from common.config import Decode
-from common.data.images import ResizedImages, TrainImages
+from common.data.images import PathImages, ResizedImages, TrainImages
 from common.data.loaders import PerSampleSeeded
 from recipes.fungitastic.config import DataConfig
 from recipes.fungitastic.data import train_augmentation
@@ -64,11 +64,12 @@ def run(quick: bool) -> list[Result]:
                 paths = write_jpegs(Path(tmp), count, short_side)
                 labels = [0] * count
                 for draft in (False, True):
-                    train = PerSampleSeeded(TrainImages(paths, labels, train_augmentation(cfg), Decode.cpu, draft), 0)
+                    train = PerSampleSeeded(TrainImages(PathImages(paths, labels), train_augmentation(cfg), Decode.cpu,
+                                                        draft), 0)
                     rate = images_per_second(train, [(0, i) for i in range(count)], repeats)
                     results.append(Result(BENCHMARK, f"train, {short_side}p, draft={draft}", rate, "images/s",
                                           "RandomResizedCrop(224, 0.8-1) + RandAugment(2, 20)"))
-                evaluation = ResizedImages(paths, labels, cfg.image_size)
+                evaluation = ResizedImages(PathImages(paths, labels), cfg.image_size)
                 rate = images_per_second(evaluation, list(range(count)), repeats)
                 results.append(Result(BENCHMARK, f"eval, {short_side}p, draft=True", rate, "images/s",
                                       "Resize(224, 224)"))

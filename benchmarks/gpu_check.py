@@ -516,7 +516,7 @@ def check_nvjpeg(work: Path) -> str:
     """timm_imagenet's ``data.decode=gpu``: nvjpeg decodes (the worker decodes what nvjpeg cannot:
     greyscale, CMYK, a PNG named .JPEG) and crops as the CPU path does, to a few grey levels."""
     from common.config import Decode
-    from common.data.images import DeviceTrainInput, TrainAugmentation, TrainImages, collate_train
+    from common.data.images import DeviceTrainInput, PathImages, TrainAugmentation, TrainImages, collate_train
     from common.data.loaders import PerSampleSeeded
     from tools.tiny_data import write_jpeg_cases
 
@@ -525,8 +525,8 @@ def check_nvjpeg(work: Path) -> str:
     augmentation = TrainAugmentation(size=48, colour_jitter=0.4)
 
     def pixels(decode: Decode, device: torch.device) -> torch.Tensor:
-        images = PerSampleSeeded(TrainImages([str(cases[n]) for n in names], [0] * len(names), augmentation, decode),
-                                 seed=4)
+        files = PathImages([str(cases[n]) for n in names], [0] * len(names))
+        images = PerSampleSeeded(TrainImages(files, augmentation, decode), seed=4)
         batch, _ = collate_train([(images[(0, i)][0], 0) for i in range(len(names))])
         return DeviceTrainInput(augmentation, decode, (0.0,) * 3, (1 / 255,) * 3, device)(batch).float().cpu()
 

@@ -1,5 +1,6 @@
 """JPEG input pipelines per CPU core, through the real DataLoader: the pipelines before issue 19
-(PIL, float in the worker), the uint8 CPU pipeline and the GPU pipeline's CPU side.
+(PIL, float in the worker), the uint8 CPU pipeline and the GPU pipeline's CPU side, each reading
+the loose files through their saved list and (issue 37) the same images from litdata shards.
 
 The folder is ImageNet-like: photo-like JPEGs (quality 90) of 500x375 with a share of
 2,000x1,500 (``LARGE_SHARE``). Each pipeline runs in one DataLoader worker (one process with one
@@ -12,11 +13,15 @@ device side of the new pipelines (colour jitter, normalisation; decoding and cro
 
 From images/s per core: the cores one GPU needs to train ResNet-50 at 2,470 images/s (NVIDIA's
 published A100 figure, mixed precision) and 3,000 images/s (the H100 goal of issue 19), for the
-pipelines of timm_imagenet, whose default model is ResNet-50.
+pipelines of timm_imagenet, whose default model is ResNet-50. The files and the shards are on a
+local disk with a warm page cache: what shards save a network filesystem (a file opened per image,
+a metadata request each) does not show here, only what reading from a shard costs a core.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import tempfile
 import time
@@ -111,7 +116,18 @@ def images_per_second(dataset: Dataset, batch_size: int, collate: Callable, pass
     return images / (last_cpu - first_cpu), images / (time.perf_counter() - start)
 
 
-def timm_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callable]]:
+def sources(root: Path, images: list[str]) -> tuple[Dataset, Dataset]:
+    """The images as a recipe reads them: through their saved list, and from shards written from it."""
+    from common.data.file_index import IndexedFiles, build
+    from common.data.shards import ShardImages, write_shards
+
+    index = build(root, [Path(path).name for path in images], np.zeros(len(images)), [], 1, str(root))
+    with contextlib.redirect_stdout(io.StringIO()):  # litdata's progress lines
+        write_shards(index, root, root / "shards", {"recipe": "bench"}, workers=1)
+    return IndexedFiles(root, index), ShardImages(str(root / "shards"), "", "1GB", {"recipe": "bench"}, "")
+
+
+def timm_pipelines(images: list[str], files: Dataset, shards: Dataset) -> dict[str, tuple[Dataset, Callable]]:
     from timm.data import create_transform
 
     from recipes.timm_imagenet.data import resolve, train_augmentation
@@ -127,15 +143,19 @@ def timm_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callable]]:
                               interpolation=data_config["interpolation"], mean=data_config["mean"],
                               std=data_config["std"])
     augmentation = train_augmentation(cfg.data, data_config)
-    labels = [0] * len(images)
     return {
         "before: PIL, float in the worker": (PilPipeline(images, before), default_collate),
-        "uint8 CPU pipeline": (TrainImages(images, labels, augmentation, Decode.cpu), collate_train),
-        "GPU pipeline, CPU side": (TrainImages(images, labels, augmentation, Decode.gpu), collate_train),
+        **new_pipelines(augmentation, files, shards),
     }
 
 
-def fungitastic_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callable]]:
+def new_pipelines(augmentation: Any, files: Dataset, shards: Dataset) -> dict[str, tuple[Dataset, Callable]]:
+    return {f"{pipeline}{where}": (TrainImages(source, augmentation, decode), collate_train)
+            for pipeline, decode in (("uint8 CPU pipeline", Decode.cpu), ("GPU pipeline, CPU side", Decode.gpu))
+            for where, source in (("", files), (", from shards", shards))}
+
+
+def fungitastic_pipelines(images: list[str], files: Dataset, shards: Dataset) -> dict[str, tuple[Dataset, Callable]]:
     from recipes.fungitastic.data import train_augmentation
 
     cfg = typed_config(compose_config("fungitastic", ["data.root=unused"]))
@@ -143,12 +163,10 @@ def fungitastic_pipelines(images: list[str]) -> dict[str, tuple[Dataset, Callabl
     before = v2.Compose([v2.RandomResizedCrop(size, scale=(cfg.data.crop_scale_min, 1.0), antialias=True),
                          v2.RandAugment(num_ops=cfg.data.randaugment_ops, magnitude=cfg.data.randaugment_magnitude)])
     augmentation = train_augmentation(cfg.data)
-    labels = [0] * len(images)
     return {
         "before: PIL draft decoding, uint8": (PilPipeline(images, before, draft_size=size, to_tensor=True),
                                               default_collate),
-        "uint8 CPU pipeline": (TrainImages(images, labels, augmentation, Decode.cpu), collate_train),
-        "GPU pipeline, CPU side": (TrainImages(images, labels, augmentation, Decode.gpu), collate_train),
+        **new_pipelines(augmentation, files, shards),
     }
 
 
@@ -170,9 +188,10 @@ def run(quick: bool) -> list[Result]:
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_jpeg_input_") as scratch:
         images, masks = write_folder(Path(scratch), count)
+        files, shards = sources(Path(scratch), images)
         recipes = {
-            "timm_imagenet": (timm_pipelines(images), 32),
-            "fungitastic": (fungitastic_pipelines(images), 32),
+            "timm_imagenet": (timm_pipelines(images, files, shards), 32),
+            "fungitastic": (fungitastic_pipelines(images, files, shards), 32),
             "tv_segmentation": (tv_segmentation_pipelines(images, masks), 4),
         }
         for recipe, (pipelines, batch_size) in recipes.items():

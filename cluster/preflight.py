@@ -89,13 +89,21 @@ def check_config(recipe: str, overrides: list[str]) -> str:
 
 
 def check_data(recipe: str, overrides: list[str]) -> str:
-    """The recipe's data root exists (its contents are checked by the recipe itself)."""
+    """The recipe's data root exists, or the folder of its shards with ``data.format=shards`` (their
+    contents, and a remote, are checked by the recipe itself)."""
+    from common.data.shards import local_folder
     from common.entry import compose_config
 
-    root = Path(compose_config(recipe, overrides).data.root)
+    data = compose_config(recipe, overrides).data
+    root, shards = Path(data.root), data.get("format") == "shards"
+    if shards:
+        root = local_folder(str(data.shards.root))
+        if root is None:
+            return f"shards at {data.shards.root} (a remote: the run reads its index.json at start)"
     if not root.exists():
         has_prep = (REPO / "data_prep" / f"{recipe}.py").is_file()
-        how = f"make prep-{recipe}" if has_prep else f"see recipes/{recipe}/README.md"
+        how = f"make prep-{recipe}{' FORMAT=shards' if shards else ''}" if has_prep else \
+            f"see recipes/{recipe}/README.md"
         raise CheckFailed(f"{root} does not exist ({how})")
     return str(root)
 

@@ -47,6 +47,23 @@ class Decode(str, Enum):
 
     cpu = "cpu"  # DataLoader workers decode, crop and augment; uint8 batches reach the device
     gpu = "gpu"  # workers read the files' bytes; the training device decodes (nvjpeg) and crops each batch
+    auto = "auto"  # cpu while the rank's cores keep up with the model on its GPU, else gpu (data/decode_choice.py)
+
+
+class DataFormat(str, Enum):
+    """How a recipe's images are stored (``common/data/file_index.py``, ``common/data/shards.py``)."""
+
+    files = "files"  # one file per image, listed once in a saved file list
+    shards = "shards"  # litdata shards, written by `make prep-<recipe> FORMAT=shards`
+
+
+@dataclass
+class ShardsConfig:
+    """Where a recipe's shards are (``data.format=shards``) and the node-local cache of a remote's."""
+
+    root: str = "${data.root}/shards"  # a folder, or a remote: s3://..., gs://..., local:/path or file:///path
+    cache_dir: str = "${oc.env:TMPDIR,/tmp}/shard-cache"  # node-local: where a remote's chunks are kept
+    cache_limit: str = "200GB"  # the cache's bound; the set should fit (ImageNet's is about 150GB)
 
 
 class ActivationCheckpointing(str, Enum):

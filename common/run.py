@@ -63,7 +63,7 @@ from common.pytorch.distributed import DistInfo, all_reduce_gradients
 from common.pytorch.metrics import SumMetrics
 from common.pytorch.rng import rng_state, set_rng_state
 from common.search_trial import SearchTrial
-from common.steps import MicroBatches, StepPlan
+from common.steps import EpochBatches, MicroBatches, StepPlan
 from common.summary import output_lines, state_digest, write_summary
 from common.telemetry import FlopCount, StepTelemetry, clip_grad_norm
 
@@ -362,6 +362,10 @@ class TrainingRun:
         self.profiler: StepProfiler | None = None
         self._flop_count: FlopCount | None = None
         self._bar: Any = None
+        # A DataLoader over the plan's EpochBatches: the one iterator the epochs share, and where the
+        # sampler must be for it to go on (the next epoch's start once an epoch is done; None: start anew).
+        self._stream: tuple[Any, Iterator[Any]] | None = None
+        self._stream_at: tuple[int, int] | None = None
         self._clock = time.monotonic()  # wall time of this segment, added to progress.train_seconds at each save
         self.optimizer = None
         self.track_optimizer(optimizer, scheduler)
@@ -596,7 +600,7 @@ class TrainingRun:
         self._bar = self.logger.progress(plan.per_epoch, initial=plan.per_epoch - plan.steps_left(),
                                          description=f"epoch {progress.epoch + 1}/{plan.epochs}{extra}")
         try:
-            for group in plan.groups(self.telemetry.batches(micro_batches), keep=self._step_start is not None):
+            for group in plan.groups(self._epoch_source(micro_batches), keep=self._step_start is not None):
                 group.size = self.micro_batch
                 step = progress.step
                 self.profiler.step_starting(step + 1)
@@ -633,6 +637,19 @@ class TrainingRun:
         finally:
             self._bar.close()
             self._bar = None
+            self._stream_at = (self.sampler.epoch + 1, 0) if plan.epoch_done() else None
+
+    def _epoch_source(self, micro_batches: Iterable[Any]) -> Iterator[Any]:
+        """This epoch's micro-batches, timed: a new iterator over ``micro_batches`` (index tensors, or
+        a DataLoader read an epoch at a time); for a DataLoader over the plan's
+        :class:`~common.steps.EpochBatches`, the run's one iterator over it, kept from epoch to epoch
+        while the sampler is where it left off (a resume or a rollback starts a new one)."""
+        if not isinstance(getattr(micro_batches, "batch_sampler", None), EpochBatches):
+            return self.telemetry.batches(micro_batches)
+        at = (self.sampler.epoch, self.sampler.consumed)
+        if self._stream is None or self._stream[0] is not micro_batches or self._stream_at != at:
+            self._stream = (micro_batches, self.telemetry.batches(micro_batches))
+        return self._stream[1]
 
     # ---- trainer.out_of_memory=halve (common/out_of_memory.py) ----------------------------------
 
@@ -890,6 +907,7 @@ class TrainingRun:
             return False
         self.loaded = loaded
         self._restore(loaded, sharded_model)
+        self._stream = None  # the loader's iterator is past the batches the restored sampler hands out next
         back_to = self.progress.step
         self.plan.skip(nonfinite_step - back_to)
         scale_learning_rate(self.optimizer, self.scheduler, self.rollback_lr_factor)
@@ -1001,6 +1019,7 @@ class TrainingRun:
             at_epoch_end = self.sampler.consumed == 0
             self.save(metrics, milestone=self.milestones.get(self.progress.epoch) if at_epoch_end else None)
         self.checkpoints.wait()
+        self._stream = None  # the training loader's workers stop
         self.profiler.close()
         self.logger.close()
         self.cadence.close()

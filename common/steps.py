@@ -181,14 +181,20 @@ class StepPlan:
     def epoch_done(self) -> bool:
         return self.steps_left() == 0
 
-    def _steps_left(self) -> Iterator[tuple[int, int]]:
-        """``(micro-batches, samples on this rank)`` of each step left in the sampler's epoch."""
-        samples_left = len(self.sampler)
-        for _ in range(self.steps_left()):
+    def _steps_left(self, samples_left: int | None = None) -> Iterator[tuple[int, int]]:
+        """``(micro-batches, samples on this rank)`` of each step left in the sampler's epoch (or in
+        an epoch with ``samples_left`` samples left on this rank)."""
+        samples_left = len(self.sampler) if samples_left is None else samples_left
+        for _ in range(self.steps_in(samples_left)):
             count = min(self.accumulate, self.micro_batches_in(samples_left))
             samples = min(count * self.micro_batch, samples_left)
             yield count, samples
             samples_left -= samples
+
+    def epoch_batches(self) -> EpochBatches:
+        """A DataLoader's ``batch_sampler`` for this plan's micro-batches that runs on past an epoch's
+        end (:class:`EpochBatches`)."""
+        return EpochBatches(self)
 
     def groups(self, micro_batches: Iterable[Any], keep: bool = False) -> Iterator[MicroBatches]:
         """The steps left in the epoch, each the :class:`MicroBatches` of one step, from
@@ -207,3 +213,36 @@ class StepPlan:
         the rest of it) without training on them: a rollback's window of bad batches."""
         skipped = [samples for _, samples in itertools.islice(self._steps_left(), max(0, steps))]
         self.sampler.advance(sum(skipped))
+
+
+class EpochBatches:
+    """The micro-batches of a plan's steps as lists of sampler keys, from the sampler's position to
+    the end of the run's last epoch, epoch after epoch: a DataLoader's ``batch_sampler`` whose one
+    iterator the run keeps across epochs (:meth:`common.run.TrainingRun.steps`), so that its
+    workers decode the next epoch's first batches while this one ends and evaluates, where a
+    new iterator per epoch would start them only then. Each epoch's micro-batches are exactly
+    those the plan's steps take (the tail rule included), so none straddles two epochs; which
+    samples, and in what order, is the sampler's alone, as with a new iterator per epoch."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        sampler, micro_batch = self.plan.sampler, self.plan.micro_batch
+        start_epoch, consumed = sampler.epoch, sampler.consumed
+        for epoch in range(start_epoch, self.plan.epochs):
+            start = consumed if epoch == start_epoch else 0
+            keys = sampler.keys(epoch, start)
+            taken = 0
+            for _, samples in self.plan._steps_left(sampler.remaining(start)):
+                step_keys = keys[taken:taken + samples]
+                taken += samples
+                for first in range(0, samples, micro_batch):
+                    yield step_keys[first:first + micro_batch]
+
+    def __len__(self) -> int:
+        """Micro-batches from the sampler's position to the end of the last epoch."""
+        sampler = self.plan.sampler
+        left = sum(count for count, _ in self.plan._steps_left())
+        whole_epochs = max(0, self.plan.epochs - sampler.epoch - 1)
+        return left + whole_epochs * sum(count for count, _ in self.plan._steps_left(sampler.remaining(0)))

@@ -18,7 +18,11 @@ image folders, as BohemianVRA's ``dataset/download.py`` writes them). Without ``
 It then checks that every image the CSVs list exists at ``--size``; missing images are an error
 (the count and the first few names) unless ``--skip-missing`` is given, which only reports them
 (train with ``data.skip_missing=true`` then). The images are never copied: ``OUT`` gets symbolic
-links to the source folders.
+links to the source folders. Each split's rows are then listed with their images' sizes and saved
+next to the mappings (``<CSV name>-<size>.index.npz``, for the minimal CSVs too), so that no
+training process reads the CSVs or lists the image folders again (``common/data/file_index.py``).
+``--format shards`` also writes each of those lists' images as litdata shards in
+``OUT/shards/<subset>-<size>[-minimal]/<split>`` (``--shards`` elsewhere), for ``data.format=shards``.
 
 Last, it stores the pretrained weights that the config (with the given overrides) reads from
 ``model.pretrained`` under ``data/weights/``: from the hub, or from ``--weights`` (a timm folder
@@ -34,10 +38,13 @@ from pathlib import Path
 
 import torch
 
+from common.data.shards import write_shards
 from common.errors import UserError
 from data_prep import weights
 from data_prep.files import run_cli, write_bytes_atomic
 from recipes.fungitastic import metadata
+from recipes.fungitastic.config import DataConfig, Subset
+from recipes.fungitastic.data import index_file, list_split, shard_set, split_csv
 
 HOW_TO_GET = ("download FungiTastic with https://github.com/BohemianVRA/FungiTastic dataset/download.py "
               "(e.g. --metadata --images --subset m --size 300) and run `make prep-fungitastic SOURCE=<its folder>`")
@@ -101,7 +108,32 @@ def prepare_subset(root: Path, prepared: Path, subset: str, size: str, mini: boo
     return problems
 
 
-def prepare(out: Path, source: Path | None, size: str, mini: bool, per_species: int, skip_missing: bool) -> None:
+def save_lists(out: Path, subset: str, size: str, mini: bool, skip_missing: bool, shards: Path | None) -> None:
+    """List each split of ``subset`` (its full CSV, and its minimal one with ``mini``), save the lists
+    and, given ``shards``, write their images as shards there."""
+    mappings = metadata.load_mappings(out / "prepared", subset)
+    workers = os.cpu_count() or 1
+    for minimal in (False, True) if mini else (False,):
+        cfg = DataConfig(root=str(out), prepared_dir=str(out / "prepared"), subset=Subset(subset), size=size,
+                         minimal=minimal, skip_missing=skip_missing)
+        for split in metadata.SPLIT_NAMES:
+            try:
+                csv = split_csv(cfg, split)
+            except UserError:
+                continue
+            index = list_split(cfg, split, mappings, workers)
+            index.save(index_file(cfg, split))
+            print(f"  {split}: listed {len(index)} images of {csv.name} in {index_file(cfg, split)}")
+            if shards is not None:
+                kept = ("split", "levels", "mappings", "unknown_species", "missing")
+                target = shards / shard_set(cfg) / split
+                chunks = write_shards(index, out, target, {"recipe": "fungitastic",
+                                                           **{key: index.info[key] for key in kept}}, workers)
+                print(f"  {split}: wrote {len(index)} images as {chunks} shards in {target}")
+
+
+def prepare(out: Path, source: Path | None, size: str, mini: bool, per_species: int, skip_missing: bool,
+            shards: Path | None = None) -> None:
     if source is not None:
         link_source(source, out)
     subsets = [subset for subset in metadata.SUBSET_DIRS
@@ -117,6 +149,8 @@ def prepare(out: Path, source: Path | None, size: str, mini: bool, per_species: 
                         "data.skip_missing=true to leave them out)")
     for problem in problems:
         print(f"warning: {problem}")
+    for subset in subsets:
+        save_lists(out, subset, size, mini, skip_missing, shards)
 
 
 def prepare_weights(overrides: list[str], source: Path | None) -> str:
@@ -145,12 +179,16 @@ def main() -> None:
     parser.add_argument("--per-species", type=int, default=4, help="rows per species in the minimal subsets")
     parser.add_argument("--skip-missing", action="store_true", help="report missing images without failing")
     parser.add_argument("--weights", type=Path, help="a local copy of the pretrained weights (timm folder or file)")
+    parser.add_argument("--format", choices=("files", "shards"), default="files",
+                        help="shards: also write each split's images as litdata shards (data.format=shards)")
+    parser.add_argument("--shards", type=Path, help="where the shards go (default: OUT/shards)")
     parser.add_argument("overrides", nargs="*", help="recipe config overrides that choose the weights "
                         "(e.g. +experiment=fungi_beit_finetune)")
     args = parser.parse_args()
     if args.per_species < 1:
         raise UserError("--per-species must be at least 1")
-    prepare(args.out, args.source, args.size, args.mini, args.per_species, args.skip_missing)
+    shards = (args.shards or args.out / "shards") if args.format == "shards" else None
+    prepare(args.out, args.source, args.size, args.mini, args.per_species, args.skip_missing, shards)
     print(f"fungitastic: {args.out / 'prepared'} is ready (train with data.root={args.out})")
     print(f"fungitastic: pretrained weights: {prepare_weights(args.overrides, args.weights)}")
 

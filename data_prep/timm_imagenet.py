@@ -13,7 +13,13 @@ Challenge"), so ``--source`` is required. Accepted source layouts:
 ``--out`` becomes ``train/<wnid>`` and ``val/<wnid>`` folders of symlinks to the source (or copies
 with ``--copy``). Checked before anything is written: train and val hold the same classes, no
 class is empty, every val image listed in the CSV exists, and every image opens (PIL's verify,
-in parallel; ``--skip-image-check`` skips this). Class and image counts are reported.
+in parallel; ``--skip-image-check`` skips this). Class and image counts are reported. Then each
+split's file list is saved as ``OUT/<split>.index.npz`` (``common/data/file_index.py``), so that no
+training process lists the tree again.
+
+``--format shards`` also writes each split as litdata shards in ``OUT/shards/<split>``
+(``--shards`` elsewhere; ``common/data/shards.py``), for ``data.format=shards``. Without
+``--source`` it shards the tree ``--out`` already holds.
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ from pathlib import Path
 
 from PIL import Image
 
+from common.data.file_index import FileIndex
+from common.data.shards import write_shards
 from common.errors import UserError
 from data_prep.files import run_cli
+from recipes.timm_imagenet.data import index_file, list_split
 
 IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 KAGGLE_IMAGES = Path("ILSVRC/Data/CLS-LOC")
@@ -147,31 +156,62 @@ def write_tree(layout: dict[str, dict[str, list[Path]]], out: Path, copy: bool) 
 
 def prepare(source: Path, out: Path, val_solution: Path | None = None, copy: bool = False,
             check: bool = True, workers: int = 8) -> dict[str, int]:
-    """Check ``source``, write ``out``; return the class and image counts."""
+    """Check ``source``, write ``out`` and its file lists; return the class and image counts."""
     layout = plan(source, val_solution)
     if check:
         check_images([image for classes in layout.values() for images in classes.values() for image in images],
                      workers)
     write_tree(layout, out, copy)
+    for split in layout:
+        list_split(out, split, workers).save(index_file(out, split))
     return {"classes": len(layout["train"]),
             **{split: sum(len(images) for images in classes.values()) for split, classes in layout.items()}}
 
 
+def shard(out: Path, shards: Path, workers: int) -> None:
+    """Write each split of the tree ``out`` as shards in ``shards/<split>``, from its saved list
+    (listed first when there is none)."""
+    for split in ("train", "val"):
+        if not (out / split).is_dir():
+            raise UserError(f"{out / split} does not exist: prepare the tree first with --source")
+        saved = index_file(out, split)
+        index = FileIndex.load(saved) if saved.is_file() else list_split(out, split, workers)
+        if not saved.is_file():
+            index.save(saved)
+        changed = index.changes(out)
+        if changed:
+            raise UserError(f"{out} changed since {saved} was saved: {index.describe_changes(out, changed)}; "
+                            f"prepare it again with --source")
+        chunks = write_shards(index, out, shards / split, {"recipe": "timm_imagenet", "split": split,
+                                                           "classes": index.info["classes"]}, workers)
+        print(f"timm_imagenet: {split}: {len(index):,} images in {chunks} shards in {shards / split}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", type=Path, required=True, help="the ImageNet folder (see the layouts above)")
+    parser.add_argument("--source", type=Path, help="the ImageNet folder (see the layouts above); without it, "
+                        "--format shards shards the tree --out holds")
     parser.add_argument("--out", type=Path, default=Path("data/imagenet"))
+    parser.add_argument("--format", choices=("files", "shards"), default="files",
+                        help="shards: also write each split as litdata shards (data.format=shards)")
+    parser.add_argument("--shards", type=Path, help="where the shards go (default: OUT/shards)")
     parser.add_argument("--val-solution", type=Path, help=f"{SOLUTION_FILE} for a flat val folder")
     parser.add_argument("--copy", action="store_true", help="copy the images instead of linking to them")
     parser.add_argument("--skip-image-check", action="store_true", help="do not open every image")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     args = parser.parse_args()
-    counts = prepare(args.source, args.out, args.val_solution, args.copy, not args.skip_image_check, args.workers)
-    per_class = {wnid: len(os.listdir(args.out / "train" / wnid)) for wnid in os.listdir(args.out / "train")}
-    fewest, most = min(per_class.values()), max(per_class.values())
-    matches = " (the full ILSVRC-2012 set)" if counts == ILSVRC2012 else ""
-    print(f"timm_imagenet: {args.out} holds {counts['classes']} classes, {counts['train']} train images "
-          f"({fewest}-{most} per class), {counts['val']} val images{matches}")
+    if args.source is None and args.format == "files":
+        raise UserError("--source is required (ImageNet needs an account to download: see --help)")
+    if args.source is not None:
+        counts = prepare(args.source, args.out, args.val_solution, args.copy, not args.skip_image_check,
+                         args.workers)
+        per_class = {wnid: len(os.listdir(args.out / "train" / wnid)) for wnid in os.listdir(args.out / "train")}
+        fewest, most = min(per_class.values()), max(per_class.values())
+        matches = " (the full ILSVRC-2012 set)" if counts == ILSVRC2012 else ""
+        print(f"timm_imagenet: {args.out} holds {counts['classes']} classes, {counts['train']} train images "
+              f"({fewest}-{most} per class), {counts['val']} val images{matches}")
+    if args.format == "shards":
+        shard(args.out, args.shards or args.out / "shards", args.workers)
 
 
 if __name__ == "__main__":

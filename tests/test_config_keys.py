@@ -100,11 +100,19 @@ def sampler_order(p: Probe) -> list[Any]:
 
 
 def train_files(p: Probe) -> list[str]:
-    """The image files the training loader reads."""
+    """The image files the training loader reads (or the shards it reads them from)."""
     dataset = p.micro_batches.dataset
     while not hasattr(dataset, "paths"):
-        dataset = dataset.dataset  # PerSampleSeeded
+        dataset = getattr(dataset, "dataset", None) or dataset.images  # PerSampleSeeded, TrainImages
+        if hasattr(dataset, "location"):  # ShardImages
+            return [dataset.location, dataset.cache_dir, dataset.cache_limit]
     return sorted(map(str, dataset.paths))
+
+
+def train_list(p: Probe) -> str | None:
+    """Which making of the saved file list the training loader reads (each making has a token of its own)."""
+    dataset = p.micro_batches.dataset.dataset.images  # PerSampleSeeded, TrainImages
+    return dataset.index.info.get("token")  # none when `make prep-<recipe>` made it
 
 
 def profiled_steps(p: Probe) -> list[str]:
@@ -139,6 +147,7 @@ OBSERVABLES: dict[str, tuple[str, Callable[[Probe], Any]]] = {
     "compiled": (BUILD, lambda p: len(p.compiled)),
     "train files": (BUILD, train_files),
     "checkpointed blocks": (BUILD, checkpointed_blocks),
+    "train list": (BUILD, train_list),
     "wandb project": (BUILD, wandb_init("project")),
     "wandb mode": (BUILD, wandb_init("mode")),
     "first batch": (STEP, lambda p: p.inputs[0]),
@@ -234,6 +243,16 @@ MULTISTEP = ("optim.sched=multistep",)
 FINE_TUNE = ("stages.probe_epochs=0",)  # dinov2_fsdp starts in its fine-tune stage
 PROFILED = ("profile.enabled=true", "profile.start_step=1", "profile.active_steps=1")
 SAME_RUN_DIR = ("run_dir={tmp}/same",)  # the folders that default to ${run_dir}/... then differ by their key alone
+SHARDS = ("data.format=shards", "data.shards.root={shards}")
+REMOTE_SHARDS = ("data.format=shards", "data.shards.root=file://{shards}")
+# The keys of the JPEG recipes' data sources (issue 37): what they read their images from.
+DATA_SOURCE_CHECKS = {
+    "data.format": check("train files", "data.format=shards", context=SHARDS[1:]),
+    "data.shards.root": check("train files", "data.shards.root={shards_copy}", context=SHARDS),
+    "data.shards.cache_dir": check("train files", "data.shards.cache_dir={tmp}/other_cache", context=REMOTE_SHARDS),
+    "data.shards.cache_limit": check("train files", "data.shards.cache_limit=1GB", context=REMOTE_SHARDS),
+    "data.rebuild_index": check("train list", "data.rebuild_index=true"),
+}
 
 # Keys every recipe has (common/config.py), and the same idea under the same name where recipes share it.
 CHECKS: dict[str, Check] = {
@@ -386,6 +405,7 @@ RECIPE_CHECKS: dict[str, dict[str, Check]] = {
         "fsdp.cpu_offload": check("process group", "fsdp.cpu_offload=true"),
         "optim.loss": check("first loss", "optim.loss=bce"),
         "optim.bce_target_thresh": check("first loss", "optim.bce_target_thresh=0.2", context=("optim.loss=bce",)),
+        **DATA_SOURCE_CHECKS,
     },
     "tv_segmentation": {
         "data.dataset": check("error", "data.dataset=coco"),
@@ -438,6 +458,7 @@ RECIPE_CHECKS: dict[str, dict[str, Check]] = {
         "fsdp.cpu_offload": check("process group", "fsdp.cpu_offload=true"),
         "optim.betas": check("optimizer", "optim.betas=[0.5,0.9]"),
         "optim.layer_decay": check("optimizer", "optim.layer_decay=0.65"),
+        **DATA_SOURCE_CHECKS,
     },
     "dinov2_fsdp": {
         "data.random_crop_padding": check("first batch", "data.random_crop_padding=0"),
@@ -600,6 +621,8 @@ class Resources:
         copy = self.tmp / "fungi_missing"
         shutil.copytree(trained_runs.fungi_data(self.factory), copy)
         next(iter(sorted((copy / "FungiTastic-Mini" / "train").rglob("*.JPG")))).unlink()
+        for saved in (copy / "prepared").rglob("*.index.npz"):  # listed before the image went: listed again
+            saved.unlink()
         return copy
 
     def fungi_class_weights(self) -> Path:
@@ -615,6 +638,17 @@ class Resources:
         weights["species"] = torch.arange(1.0, len(weights["species"]) + 1)
         torch.save(weights, weights_file)
         return prepared
+
+    def shards(self) -> Path:
+        """The tiny data's shards (written once per session)."""
+        return {"timm_imagenet": trained_runs.imagenet_shards,
+                "fungitastic": trained_runs.fungi_shards}[self.recipe](self.factory)
+
+    def shards_copy(self) -> Path:
+        import shutil
+
+        shutil.copytree(self["shards"], self.tmp / "shards_copy")
+        return self.tmp / "shards_copy"
 
     def _dinov2(self, name: str, seed: int, layers: int) -> Path:
         from transformers import Dinov2Config, Dinov2Model

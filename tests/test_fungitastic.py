@@ -18,7 +18,7 @@ import torch
 from sklearn.metrics import f1_score
 from sklearn.utils.class_weight import compute_class_weight
 
-from common.data.images import ResizedImages
+from common.data.images import PathImages, ResizedImages
 from common.entry import user_message
 from common.errors import UserError
 from recipes.fungitastic import metadata
@@ -135,10 +135,10 @@ def test_prep_reports_a_missing_image_and_fails_unless_told_to_skip(tmp_path: Pa
     mappings = metadata.load_mappings(tmp_path / "data" / "prepared", "mini")
     cfg = DataConfig(root=str(tmp_path / "data"), prepared_dir=str(tmp_path / "data" / "prepared"))
     with pytest.raises(UserError, match=f"1 of 8 images .* missing .*{gone}.*data.skip_missing=true"):
-        split_files(cfg, "val", mappings)
+        split_files(cfg, "val", mappings, str(tmp_path / "run"), 0)
     cfg.skip_missing = True
-    split = split_files(cfg, "val", mappings)
-    assert (split.skipped_missing, split.unknown_species, len(split.paths)) == (1, 1, 7)
+    split = split_files(cfg, "val", mappings, str(tmp_path / "run"), 0)
+    assert (split.skipped_missing, split.unknown_species, len(split.images)) == (1, 1, 7)
 
     mappings_file = tmp_path / "data" / "prepared" / "FungiTastic-Mini" / metadata.MAPPINGS_FILE
     older = {("ranks" if key == "levels" else key): value for key, value in mappings.items()}
@@ -166,7 +166,7 @@ def test_a_corrupt_jpeg_is_one_line_even_when_a_dataloader_worker_reports_it(tmp
 
     (tmp_path / "broken.JPG").write_bytes(b"not a jpeg")
     with pytest.raises(UserError) as raised:
-        ResizedImages([str(tmp_path / "broken.JPG")], [0], 32)[0]
+        ResizedImages(PathImages([str(tmp_path / "broken.JPG")], [0]), 32)[0]
     expected = f"{tmp_path / 'broken.JPG'} is not a readable image"
     assert str(raised.value).startswith(expected)
     try:  # what the main process receives when a worker raised it
@@ -325,6 +325,8 @@ def fungi_data_one_val_image_missing(fungi_data: Path, tmp_path_factory: pytest.
     val_csv = data / "metadata" / "FungiTastic-Mini" / "FungiTastic-Mini-Val.csv"
     known = pd.read_csv(val_csv).query("category_id != -1")
     (data / "FungiTastic-Mini" / "val" / "300p" / known["filename"].iloc[0]).unlink()
+    for saved in (data / "prepared").rglob("*.index.npz"):  # listed before the image went: listed again
+        saved.unlink()
     return data
 
 

@@ -26,6 +26,7 @@ from common.config import Decode
 from common.data.images import (
     CropBox,
     DeviceTrainInput,
+    PathImages,
     ResizedImages,
     TrainAugmentation,
     TrainImages,
@@ -130,8 +131,8 @@ def test_a_fixed_seed_gives_timm_s_image_within_interpolation_differences(cases:
     expected = torch.stack([reference[key] for key in keys]).float()
     wrong_box = torch.stack([reference[(9, index)] for index in range(12)]).float()
     assert (wrong_box - expected).abs().mean() > 3 * mean_tolerance, "the comparison must tell crops apart"
-    for decode in Decode:
-        ours = PerSampleSeeded(TrainImages([str(p) for p in paths], [0] * 12, TIMM_DEFAULT, decode), seed=5)
+    for decode in (Decode.cpu, Decode.gpu):  # the two decoders; auto chooses one of them
+        ours = PerSampleSeeded(TrainImages(PathImages([str(p) for p in paths], [0] * 12), TIMM_DEFAULT, decode), seed=5)
         images = pixels_0_255(TIMM_DEFAULT, decode, [ours[key][0] for key in keys])
         difference = (images - expected).abs()
         assert difference.mean() < mean_tolerance, f"{decode.value}: mean difference {difference.mean():.2f}"
@@ -143,8 +144,8 @@ def test_both_paths_give_the_same_crops_whatever_the_file(cases: dict[str, Path]
     too (nvjpeg takes three-component JPEGs only); the crops match the CPU path's."""
     augmentation = TrainAugmentation(size=SIZE, scale=(0.3, 1.0))
     names = ["rgb", "large", "greyscale", "cmyk", "png"]
-    on_device = TrainImages([str(cases[n]) for n in names], list(range(5)), augmentation, Decode.gpu)
-    in_worker = TrainImages([str(cases[n]) for n in names], list(range(5)), augmentation, Decode.cpu)
+    on_device = TrainImages(PathImages([str(cases[n]) for n in names], list(range(5))), augmentation, Decode.gpu)
+    in_worker = TrainImages(PathImages([str(cases[n]) for n in names], list(range(5))), augmentation, Decode.cpu)
     device_samples = [PerSampleSeeded(on_device, 1)[(0, i)][0] for i in range(5)]
     worker_samples = [PerSampleSeeded(in_worker, 1)[(0, i)][0] for i in range(5)]
     assert [s["shape"][0].item() > 0 for s in device_samples] == [False, False, True, True, True]
@@ -157,7 +158,7 @@ def test_both_paths_give_the_same_crops_whatever_the_file(cases: dict[str, Path]
     with Image.open(cases["cmyk"]) as cmyk:
         assert cmyk.mode == "CMYK"
         reference = torch.from_numpy(np.array(cmyk.convert("RGB"))).permute(2, 0, 1)
-    whole = ResizedImages([str(cases["cmyk"])], [0], 30)[0][0]
+    whole = ResizedImages(PathImages([str(cases["cmyk"])], [0]), 30)[0][0]
     assert (whole.float() - tvf.resize(reference, [30, 30], antialias=True).float()).abs().mean() < 2
 
 
@@ -166,14 +167,14 @@ def test_a_truncated_jpeg_is_a_user_error_naming_it_on_both_paths(cases: dict[st
     assert read_header(read_file(path), path)[:2] == (120, 90), "the header is intact: decoding must find it"
     augmentation = TrainAugmentation(size=SIZE)
     with pytest.raises(UserError, match=f"^{path} is not a readable image"):
-        TrainImages([path], [0], augmentation, Decode.cpu)[0]
-    samples = TrainImages([str(cases["rgb"]), path], [0, 1], augmentation, Decode.gpu)
+        TrainImages(PathImages([path], [0]), augmentation, Decode.cpu)[0]
+    samples = TrainImages(PathImages([str(cases["rgb"]), path], [0, 1]), augmentation, Decode.gpu)
     batch, _ = collate_train([samples[0], samples[1]])
     with pytest.raises(UserError, match=f"^{path} is not a readable image"):
         DeviceTrainInput(augmentation, Decode.gpu, (0.5,) * 3, (0.5,) * 3, CPU)(batch)
     (Path(path).parent / "empty.JPEG").write_bytes(b"")
     with pytest.raises(UserError, match="empty.JPEG is not a readable image"):
-        TrainImages([str(Path(path).parent / "empty.JPEG")], [0], augmentation, Decode.gpu)[0]
+        TrainImages(PathImages([str(Path(path).parent / "empty.JPEG")], [0]), augmentation, Decode.gpu)[0]
 
 
 def test_the_device_path_runs_the_policy_on_uint8_seeded_per_sample(cases: dict[str, Path]) -> None:
@@ -182,13 +183,13 @@ def test_the_device_path_runs_the_policy_on_uint8_seeded_per_sample(cases: dict[
     from torchvision.transforms import v2
 
     augmentation = TrainAugmentation(size=SIZE, per_sample=v2.RandAugment(num_ops=2, magnitude=20))
-    dataset = PerSampleSeeded(TrainImages([str(cases["rgb"])] * 4, [0] * 4, augmentation, Decode.gpu), seed=2)
+    files = PathImages([str(cases["rgb"])] * 4, [0] * 4)
+    dataset = PerSampleSeeded(TrainImages(files, augmentation, Decode.gpu), seed=2)
     first = pixels_0_255(augmentation, Decode.gpu, [dataset[(0, i)][0] for i in range(4)])
     again = pixels_0_255(augmentation, Decode.gpu, [dataset[(0, i)][0] for i in range(4)])
     assert torch.equal(first, again)
     plain = TrainAugmentation(size=SIZE)
-    unaugmented = pixels_0_255(plain, Decode.gpu, [PerSampleSeeded(TrainImages([str(cases["rgb"])] * 4, [0] * 4,
-                                                                               plain, Decode.gpu), 2)[(0, i)][0]
+    unaugmented = pixels_0_255(plain, Decode.gpu, [PerSampleSeeded(TrainImages(files, plain, Decode.gpu), 2)[(0, i)][0]
                                                   for i in range(4)])
     assert not torch.equal(first, unaugmented)
     pil_policy = TrainAugmentation(size=SIZE, per_sample=lambda image: image, per_sample_takes_pil=True)

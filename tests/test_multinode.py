@@ -30,7 +30,7 @@ from cluster.processes import kill_tree
 from tests import slurm_cluster as sc
 from tests.conftest import REPO, free_port, latest_step, read_summary, recipe_env, sampler_positions, start_recipe
 from tests.resume import paused_env
-from tools.tiny_data import write_fashion_mnist
+from tools.tiny_data import write_fashion_mnist, write_image_folder
 
 pytestmark = pytest.mark.slurm
 
@@ -62,11 +62,12 @@ class Job:
 
 
 def submit(cluster: sc.LocalCluster, tmp: Path, name: str, nodes: int, overrides: list[str],
-           options: tuple[str, ...] = ("--time=10",), run_dir: Path | None = None, **env: str) -> Job:
+           options: tuple[str, ...] = ("--time=10",), run_dir: Path | None = None, recipe: str = "fashion_mnist",
+           **env: str) -> Job:
     run_dir = run_dir or tmp / name
     job = sc.sbatch(MULTINODE, args=[*OPTIONS, f"--nodes={nodes}", *options, f"--output={tmp}/{name}-%j.out"],
                     env=job_env(cluster, **env), cwd=REPO,
-                    script_args=["fashion_mnist", *overrides, f"run_dir={run_dir}"])
+                    script_args=[recipe, *overrides, f"run_dir={run_dir}"])
     return Job(job, run_dir, tmp / f"{name}-{job}.out")
 
 
@@ -241,6 +242,40 @@ def preempted_and_single_node(cluster: sc.LocalCluster, tmp: Path, data: Path) -
     }
 
 
+def from_shards(cluster: sc.LocalCluster, tmp: Path, data: Path) -> dict:
+    """A 2-node timm_imagenet job reading its images from shards through a file:// remote, each node
+    through its own cache in its own TMPDIR, sent USR1 after its step-2 checkpoint: it requeues and
+    resumes. And the same config as 2 processes on one node without SLURM, reading the loose files.
+    (``data`` is the fashion_mnist of the other scenarios; this one makes a tiny ImageFolder.)"""
+    from tests.trained_runs import TINY as TINY_RUNS
+
+    root = write_image_folder(tmp / "imagenet", train_per_class=8, val_per_class=3)
+    prep = subprocess.run([sys.executable, "-m", "data_prep.timm_imagenet", "--out", str(root), "--format", "shards",
+                           "--workers", "1"], cwd=REPO, env=recipe_env(), capture_output=True, text=True, timeout=300)
+    assert prep.returncode == 0, prep.stderr  # litdata writes shards from a main thread: not in this one
+    overrides = [*TINY_RUNS["timm_imagenet"], "trainer.batch_size=4", "trainer.epochs=2", "checkpoint.every_steps=1",
+                 "checkpoint.sync_every_steps=1"]
+    pause = paused_env(2, tmp / "shards.paused")
+    shards = ["data.format=shards", f"data.shards.root=file://{root}/shards"]
+    job = submit(cluster, tmp, "shards", 2, [*overrides, *shards], recipe="timm_imagenet", DATA_ROOT=str(root),
+                 **{name: pause[name] for name in PAUSE_VARIABLES})
+    files = start_recipe("timm_imagenet", [f"data.root={root}", *overrides, f"run_dir={tmp / 'shards_files'}"], nproc=2)
+    signalled = False
+    deadline = time.monotonic() + SCENARIO_DEADLINE_S
+    while sc.job_state(job.id, cluster.env) not in sc.FINAL_STATES:
+        assert time.monotonic() < deadline, f"job {job.id} not done in {SCENARIO_DEADLINE_S} s"
+        if not signalled and (tmp / "shards.paused").exists():
+            sc.signal_batch(job.id, "USR1", env=cluster.env)
+            signalled = True
+        time.sleep(0.1)
+    files_output = files.communicate(timeout=300)[0]
+    assert files.returncode == 0, files_output
+    return {"job": job, "state": sc.job_state(job.id, cluster.env),
+            "restarts": sc.job_restart_count(job.id, cluster.env), "files": read_summary(tmp / "shards_files"),
+            "cached": {node: sorted(path.name for path in cluster.scratch(node).rglob("chunk-*.bin"))
+                       for node in cluster.nodes}}
+
+
 def time_limited(cluster: sc.LocalCluster, tmp: Path, data: Path) -> dict:
     """A 2-node job that would train far longer than the test waits, submitted with a 10-minute
     limit and --signal=B:USR1@170. Once it has checkpointed step 1 (where it waits for the signal,
@@ -302,7 +337,7 @@ def scenarios(multinode_slurm: sc.LocalCluster, tmp_path_factory: pytest.TempPat
     tmp = tmp_path_factory.mktemp("multinode")
     data = write_fashion_mnist(tmp / "data", n_train=SAMPLES)
     runs = {"preemption": preempted_and_single_node, "time_limit": time_limited,
-            "resize": resized_and_node_killed}
+            "resize": resized_and_node_killed, "shards": from_shards}
     with ThreadPoolExecutor(len(runs)) as pool:
         futures = {name: pool.submit(run, multinode_slurm, tmp, data) for name, run in runs.items()}
         return {name: future.exception() or future.result() for name, future in futures.items()}
@@ -400,6 +435,23 @@ def test_node_failure_leaves_no_half_checkpoint_and_a_one_node_job_finishes_the_
     assert_every_sample_once(run["positions"])
     summary = read_summary(first.run_dir)
     assert summary["world_size"] == 1 and summary["epochs"] == 2 and summary["resumes"] == 2
+
+
+def test_two_node_job_on_shards_caches_them_on_each_node_and_resumes_after_a_requeue_to_the_model_of_files(
+        scenarios: dict):
+    """Each node read the shards into its own cache; the job requeued after USR1, resumed on both
+    nodes, and ended with the model of 2 processes on one node reading the loose files."""
+    run = record(scenarios, "shards")
+    output = run["job"].output()
+    assert run["state"] == "COMPLETED" and run["restarts"] == 1, output
+    resumed = output[output.index("start (restart 1)"):]
+    assert re.search(r"resumed from \S+ \(step 3, ", resumed), output
+    assert "train: 24 images in 1 shards" in output and "cached in " in output, output
+    summary = read_summary(run["job"].run_dir)
+    assert summary["world_size"] == 2 and summary["resumes"] == 1 and summary["steps"] == 6
+    assert summary["model_digest"] == run["files"]["model_digest"]
+    assert summary["metrics"] == run["files"]["metrics"]
+    assert all(run["cached"][node] for node in ("node0", "node1")), run["cached"]
 
 
 def test_srun_without_torchrun_meets_at_the_first_nodes_address(multinode_slurm: sc.LocalCluster):

@@ -71,9 +71,10 @@ def test_end_to_end_learns_stages_data_and_writes_outputs(imagenet: Path, tmp_pa
     assert len(summary["ema_digest"]) == 64 and summary["ema_digest"] != summary["model_digest"]
     assert {"eval_ema/loss", "eval_ema/top1", "eval_ema/top5"} <= set(summary["metrics"])
     assert "train 32px bilinear decoded on cpu, eval 40px bilinear (crop_pct 0.875), 0 loader workers" in result.stdout
+    assert "data.decode=auto: the device is not a GPU" in result.stdout, "auto says what it chose and why"
     staged = list(stage.iterdir())
     assert len(staged) == 1 and (staged[0] / ".staging-complete").is_file()
-    assert f"from {staged[0]}" in result.stdout
+    assert f"train: 48 images of {staged[0]}, listed in {staged[0] / 'train.index.npz'}" in result.stdout
     assert len(list((staged[0] / "train").rglob("*.JPEG"))) == 48
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert list((run_dir / "checkpoints").glob("AtomicDirectory_checkpoint_*_force")), "no best checkpoint"

@@ -104,6 +104,15 @@ def imagenet_data(factory: pytest.TempPathFactory) -> Path:
                                                                                  val_per_class=3))
 
 
+def imagenet_shards(factory: pytest.TempPathFactory) -> Path:
+    """The tiny ImageFolder's splits as shards, where ``data.format=shards`` reads them (``<data.root>/shards``)."""
+    from data_prep.timm_imagenet import shard
+
+    data = imagenet_data(factory)
+    shared_run("imagenet_shards", factory, lambda _: shard(data, data / "shards", workers=1))
+    return data / "shards"
+
+
 def voc_data(factory: pytest.TempPathFactory) -> Path:
     return shared_run("voc_data", factory, lambda root: write_voc(root / "VOC2012", n_train=8, n_val=4))
 
@@ -118,6 +127,15 @@ def fungi_data(factory: pytest.TempPathFactory) -> Path:
         return root / "data"
 
     return shared_run("fungi_data", factory, make)
+
+
+def fungi_shards(factory: pytest.TempPathFactory) -> Path:
+    """The tiny FungiTastic's splits (full and minimal CSVs) as shards, where ``data.format=shards`` reads them."""
+    from data_prep.fungitastic import save_lists
+
+    data = fungi_data(factory)
+    shared_run("fungi_shards", factory, lambda _: save_lists(data, "mini", "300p", True, False, data / "shards"))
+    return data / "shards"
 
 
 def dinov2_backbone(factory: pytest.TempPathFactory) -> Path:

@@ -39,6 +39,7 @@ REDONE = f"{OOM}test_a_step_that_runs_out_of_memory_is_redone_with_half_the_micr
 TWO_RANKS_AGREE = f"{OOM}test_on_two_ranks_every_rank_agrees_on_the_halved_micro_batch"
 CHECKPOINTED = ("tests/test_activation_checkpointing.py::"
                 "test_checkpointed_blocks_give_the_gradients_and_state_of_the_plain_model")
+SOURCES = "tests/test_data_sources.py::"
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -570,8 +571,8 @@ MUTATIONS: list[Mutation] = [
     # ---- issue 38: memory (trainer.out_of_memory=halve, trainer.activation_checkpointing) ------------
     Mutation(
         "retry-forgets-the-samples", "common/run.py",
-        "plan.groups(self.telemetry.batches(micro_batches), keep=self._step_start is not None)",
-        "plan.groups(self.telemetry.batches(micro_batches), keep=False)",
+        "plan.groups(self._epoch_source(micro_batches), keep=self._step_start is not None)",
+        "plan.groups(self._epoch_source(micro_batches), keep=False)",
         (f"{REDONE}[fashion_mnist]", f"{REDONE}[timm_imagenet]"),
         "a step that ran out of memory is redone on the next batches: some samples are skipped, others seen twice",
     ),
@@ -626,5 +627,96 @@ MUTATIONS: list[Mutation] = [
         "        norm.momentum = 0.0\n", "        norm.momentum = norm.momentum\n",
         (f"{CHECKPOINTED}[tv_segmentation]", f"{CHECKPOINTED}[cifar100_resnet50]"),
         "with activation checkpointing BatchNorm's running statistics move twice a step: another model is evaluated",
+    ),
+    # ---- issue 35: what a step costs, and the data that feeds it -------------------------------------
+    Mutation(
+        "loader-iterator-per-epoch", "common/run.py",
+        "        if self._stream is None or self._stream[0] is not micro_batches or self._stream_at != at:",
+        "        if True:",
+        ("tests/test_loaders.py::test_the_next_epochs_first_batches_are_asked_for_before_the_epoch_ends",),
+        "every epoch starts its loader anew: the workers decode its first batches only when the GPU waits for them",
+    ),
+    Mutation(
+        "metric-sums-copy-before-adding", "common/pytorch/metrics.py",
+        "                value = value.detach().to(self.device)\n",
+        "                value = value.detach().to(self.device, self._dtype)\n",
+        ("tests/test_step_operators.py::test_a_steady_step_adds_at_most_the_budgeted_operators_to_the_bare_step",),
+        "two more kernels in every training step, unnoticed",
+    ),
+    Mutation(
+        "decode-auto-ignores-the-measurements", "common/data/decode_choice.py",
+        "decode = Decode.cpu if supply >= HEADROOM * demand else Decode.gpu", "decode = Decode.cpu",
+        ("tests/test_decode_choice.py::"
+         "test_auto_decodes_on_the_cpu_while_its_cores_keep_up_with_the_model_and_on_the_gpu_below",),
+        "data.decode=auto decodes on a node's few cores while the GPU waits",
+    ),
+    # ---- issue 37: file lists saved once, shards read by index -----------------------------------------
+    Mutation(
+        "file-list-reused-after-the-tree-changed", "common/data/file_index.py",
+        "        changed = index.changes(root)\n        if changed:", "        changed = []\n        if changed:",
+        (f"{SOURCES}test_a_changed_tree_stops_with_one_line_and_is_listed_again_only_when_asked",
+         f"{SOURCES}test_a_damaged_list_or_one_from_another_tree_stops_with_one_line_naming_it[another tree]"),
+        "files added or removed since the list was saved are never read, and a list from another tree trains on "
+        "that tree's names",
+    ),
+    Mutation(
+        "file-list-checksum-not-checked", "common/data/file_index.py",
+        'if info.get("format") != FORMAT or index.checksum() != info.get("checksum"):',
+        'if info.get("format") != FORMAT:',
+        (f"{SOURCES}test_a_damaged_list_or_one_from_another_tree_stops_with_one_line_naming_it[checksum]",),
+        "a damaged list trains on wrong labels or crops",
+    ),
+    Mutation(
+        "decoded-size-not-checked-against-the-list", "common/data/images.py",
+        "    if (decoded[0], decoded[1]) != (math.ceil(height / reduction), math.ceil(width / reduction)):",
+        "    if False:",
+        (f"{SOURCES}test_a_file_changed_in_place_is_caught_when_it_is_decoded",),
+        "an image replaced in place is cropped where it has no pixels (black or shifted crops, no error)",
+    ),
+    Mutation(
+        "other-rank-takes-an-older-list", "common/data/file_index.py",
+        '                if index.info.get("token") == token:', "                if True:",
+        (f"{SOURCES}test_on_two_ranks_local_rank_0_lists_and_the_other_waits_for_that_list",),
+        "after data.rebuild_index=true the ranks of a node train on different file lists",
+    ),
+    Mutation(
+        "shard-reader-orders-itself", "common/data/shards.py",
+        "        sample = self.streaming()[index]\n"
+        "        name = f\"{self.location}[{index}] ({sample['name']})\"\n"
+        "        if sample[\"index\"] != index:",
+        "        self.__dict__[\"_read\"] = self.__dict__.get(\"_read\", -1) + 1  # its own order, not the sampler's\n"
+        "        sample = self.streaming()[self._read % self.length]\n"
+        "        name = f\"{self.location}[{index}] ({sample['name']})\"\n"
+        "        if False:",
+        (f"{SOURCES}test_shards_from_a_folder_or_a_remote_give_the_batches_evaluation_and_model_of_files"
+         "[timm_imagenet-cpu]",
+         f"{SOURCES}test_samples_read_by_two_ranks_then_one_are_the_epochs_samples_once_each_as_files_give_them"),
+        "runs on shards see other samples and augmentations than on files, and a resume repeats or skips samples",
+    ),
+    Mutation(
+        "shard-order-not-checked", "common/data/shards.py",
+        '        if sample["index"] != index:', "        if False:",
+        (f"{SOURCES}test_a_shard_set_whose_samples_are_out_of_order_stops_at_the_first_misplaced_sample",),
+        "a shard set written or listed out of order trains on the wrong labels without a word",
+    ),
+    Mutation(
+        "shard-sizes-not-checked", "common/data/shards.py",
+        '            if size != chunk["chunk_bytes"]:', "            if False:",
+        (f"{SOURCES}test_a_truncated_or_missing_shard_stops_before_any_work_with_one_line[truncated]",),
+        "a truncated shard makes litdata wait for the rest of the chunk and fail mid-run with a traceback",
+    ),
+    Mutation(
+        "other-datasets-shards-accepted", "common/data/shards.py",
+        "        wrong = {key: self.metadata.get(key) for key, value in expect.items() "
+        "if self.metadata.get(key) != value}",
+        "        wrong = {}",
+        (f"{SOURCES}test_shards_of_another_dataset_stop_with_one_line",),
+        "a run trains on another dataset's shards, or on labels encoded with other label spaces",
+    ),
+    Mutation(
+        "shard-cache-unbounded", "common/data/shards.py",
+        "                self._streaming._on_demand_bytes = False", "                pass",
+        (f"{SOURCES}test_a_remote_is_read_through_a_node_local_cache_bounded_by_its_limit",),
+        "reading a remote fills the node's disk with every chunk whatever data.shards.cache_limit says",
     ),
 ]

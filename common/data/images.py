@@ -1,6 +1,8 @@
 """Image input pipelines that keep a GPU fed: JPEG files to normalised batches on the device.
 
-``data.decode=cpu``: the DataLoader worker draws the crop box from the JPEG's header, decodes at the
+The bytes and the image's size come from a source: files by path (:class:`PathImages`, which reads
+each header), a saved file list (``common/data/file_index.py``) or shards (``common/data/shards.py``).
+``data.decode=cpu``: the DataLoader worker draws the crop box for the image's size, decodes at the
 smallest DCT scale that keeps the box at least the output size, crops, resizes and augments on
 uint8. ``data.decode=gpu``: the worker only reads the bytes and makes the same draws; the main
 process decodes the batch with nvjpeg and crops it with ``roi_align`` (what it cannot decode there,
@@ -70,14 +72,42 @@ def read_file(path: str) -> np.ndarray:
         raise UserError(f"{path} cannot be read ({error})") from error
 
 
-def read_header(data: np.ndarray, path: str) -> tuple[int, int, bool]:
+def read_header(data: np.ndarray | str, path: str) -> tuple[int, int, bool]:
     """Width, height and whether the device decoder can take it (a three-component JPEG), from
-    the header alone."""
+    the header alone: of the bytes ``data``, or of the file ``data`` names (its first few KB only)."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(data if isinstance(data, str) else io.BytesIO(data)) as image:
             return image.width, image.height, image.format == "JPEG" and image.mode == "RGB"
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         raise UserError(f"{path} is not a readable image ({error})") from error
+
+
+class EncodedImage(NamedTuple):
+    """One sample as a source gives it: the encoded file's bytes, what its header says and its label."""
+
+    data: np.ndarray  # uint8, writable
+    name: str  # what an error names: the file, or the shard set and the sample
+    width: int
+    height: int
+    device_decodable: bool  # a three-component JPEG, which nvjpeg decodes
+    label: Any
+
+
+class PathImages(Dataset):
+    """Image files by path, each header read from the file's bytes: the source for a list of paths
+    (a file list saved with the sizes is :class:`common.data.file_index.IndexedFiles`)."""
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[Any]) -> None:
+        self.paths = paths
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> EncodedImage:
+        path = self.paths[index]
+        data = read_file(path)
+        return EncodedImage(data, path, *read_header(data, path), self.labels[index])
 
 
 def decode(data: np.ndarray, path: str, reduction: int = 1) -> np.ndarray:
@@ -87,6 +117,16 @@ def decode(data: np.ndarray, path: str, reduction: int = 1) -> np.ndarray:
     if pixels is None:
         raise UserError(f"{path} is not a readable image (it does not decode)")
     return cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB, dst=pixels)  # OpenCV decodes to BGR
+
+
+def check_size(decoded: Sequence[int], width: int, height: int, name: str, reduction: int = 1) -> None:
+    """An image decoded to ``decoded`` rows and columns (at ``1/reduction`` of the size) must be the
+    ``width`` x ``height`` its crop box was drawn for: a file changed in place after its file list
+    was saved would otherwise be cropped where it has no pixels."""
+    if (decoded[0], decoded[1]) != (math.ceil(height / reduction), math.ceil(width / reduction)):
+        raise UserError(f"{name} is about {decoded[1] * reduction}x{decoded[0] * reduction} pixels, but its file list "
+                        f"says {width}x{height}: the file changed after the list was saved; list the files again "
+                        f"with data.rebuild_index=true")
 
 
 def dct_reduction(box: CropBox, size: int) -> int:
@@ -188,93 +228,95 @@ class Draw(NamedTuple):
 class TrainImages(Dataset):
     """``(sample, label)`` for training, made in a DataLoader worker (wrap in PerSampleSeeded).
 
+    ``images`` gives each sample's encoded bytes, size and label: :class:`PathImages`, a saved file
+    list (:class:`common.data.file_index.IndexedFiles`) or shards (:class:`common.data.shards.ShardImages`);
+    the draws depend on the sample's index and size alone, so every source gives the same batches.
     With ``decode=cpu`` the sample is ``{"image": uint8 [3, S, S]}`` (plus ``"jitter"``); with
     ``decode=gpu`` it is the file's bytes and the draws, for :class:`DeviceTrainInput`.
     """
 
-    def __init__(self, paths: Sequence[str], labels: Sequence[Any], augmentation: TrainAugmentation,
-                 decode: Decode, draft_decode: bool = True) -> None:
-        self.paths = paths
-        self.labels = labels
+    def __init__(self, images: Dataset, augmentation: TrainAugmentation, decode: Decode,
+                 draft_decode: bool = True) -> None:
+        self.images = images
         self.augmentation = augmentation
         self.decode = Decode(decode)
+        if self.decode == Decode.auto:
+            raise ValueError("data.decode=auto is resolved first (common/data/decode_choice.py)")
         self.draft_decode = draft_decode
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.images)
 
     def __getitem__(self, index: int) -> tuple[dict[str, Any], Any]:
-        path = self.paths[index]
-        data = read_file(path)
-        width, height, device_decodable = read_header(data, path)
-        draw = self.augmentation.draw(width, height, self.decode)
+        image = self.images[index]
+        draw = self.augmentation.draw(image.width, image.height, self.decode)
         if self.decode == Decode.gpu:
-            sample = self._for_the_device(data, path, width, height, device_decodable, draw)
+            sample = self._for_the_device(image, draw)
         else:
-            sample = {"image": self._crop_here(data, path, width, height, draw)}
+            sample = {"image": self._crop_here(image, draw)}
         if draw.jitter is not None:
             sample["jitter"] = draw.jitter
-        return sample, self.labels[index]
+        return sample, image.label
 
-    def _decode_for(self, box: CropBox, data: np.ndarray, path: str, width: int,
-                    height: int) -> tuple[np.ndarray, CropBox]:
+    def _decode_for(self, box: CropBox, image: EncodedImage) -> tuple[np.ndarray, CropBox]:
         """The pixels, at a reduced scale where the box allows, and the box in their coordinates."""
         reduction = dct_reduction(box, self.augmentation.size) if self.draft_decode else 1
-        pixels = decode(data, path, reduction)
+        pixels = decode(image.data, image.name, reduction)
+        check_size(pixels.shape, image.width, image.height, image.name, reduction)
         if reduction == 1:
             return pixels, box
-        return pixels, box.scaled(pixels.shape[1] / width, pixels.shape[0] / height)
+        return pixels, box.scaled(pixels.shape[1] / image.width, pixels.shape[0] / image.height)
 
-    def _crop_here(self, data: np.ndarray, path: str, width: int, height: int, draw: Draw) -> torch.Tensor:
-        pixels, box = self._decode_for(draw.box, data, path, width, height)
-        image = _crop_resize(pixels, box, self.augmentation.size, draw.interpolation)
+    def _crop_here(self, image: EncodedImage, draw: Draw) -> torch.Tensor:
+        pixels, box = self._decode_for(draw.box, image)
+        cropped = _crop_resize(pixels, box, self.augmentation.size, draw.interpolation)
         if draw.flip:
-            image = image.flip(-1)
+            cropped = cropped.flip(-1)
         policy = self.augmentation.per_sample
         if policy is None:
-            return image
+            return cropped
         if self.augmentation.per_sample_takes_pil:
-            augmented = policy(Image.fromarray(image.permute(1, 2, 0).numpy()))
+            augmented = policy(Image.fromarray(cropped.permute(1, 2, 0).numpy()))
             return torch.from_numpy(np.array(augmented)).permute(2, 0, 1)
-        return policy(image)
+        return policy(cropped)
 
-    def _for_the_device(self, data: np.ndarray, path: str, width: int, height: int, device_decodable: bool,
-                        draw: Draw) -> dict[str, Any]:
+    def _for_the_device(self, image: EncodedImage, draw: Draw) -> dict[str, Any]:
         """The bytes of a JPEG nvjpeg decodes, else the pixels decoded here (box in their coordinates)."""
-        box, shape = draw.box, (0, 0, 0)
-        if not device_decodable:
-            pixels, box = self._decode_for(draw.box, data, path, width, height)
+        data, box, shape = image.data, draw.box, (0, 0, 0)
+        if not image.device_decodable:
+            pixels, box = self._decode_for(draw.box, image)
             data, shape = pixels.reshape(-1), pixels.shape
         return {
             "data": torch.from_numpy(data),
             "shape": torch.tensor(shape),
+            "size": torch.tensor((image.height, image.width)),
             "box": torch.tensor(box, dtype=torch.float32),
             "flip": torch.tensor(draw.flip),
             "seed": torch.tensor(draw.seed),
-            "path": path,
+            "path": image.name,
         }
 
 
 class ResizedImages(Dataset):
-    """``(uint8 [3, S, S], label)``: whole images resized to ``size`` x ``size`` (evaluation)."""
+    """``(uint8 [3, S, S], label)``: whole images resized to ``size`` x ``size`` (evaluation), from
+    any source :class:`TrainImages` takes."""
 
-    def __init__(self, paths: Sequence[str], labels: Sequence[Any], size: int, draft_decode: bool = True) -> None:
-        self.paths = paths
-        self.labels = labels
+    def __init__(self, images: Dataset, size: int, draft_decode: bool = True) -> None:
+        self.images = images
         self.size = size
         self.draft_decode = draft_decode
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.images)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, Any]:
-        path = self.paths[index]
-        data = read_file(path)
-        width, height, _ = read_header(data, path)
-        whole = CropBox(0, 0, height, width)
-        pixels = decode(data, path, dct_reduction(whole, self.size) if self.draft_decode else 1)
+        image = self.images[index]
+        whole = CropBox(0, 0, image.height, image.width)
+        reduction = dct_reduction(whole, self.size) if self.draft_decode else 1
+        pixels = decode(image.data, image.name, reduction)
+        check_size(pixels.shape, image.width, image.height, image.name, reduction)
         box = CropBox(0, 0, *pixels.shape[:2])
-        return _crop_resize(pixels, box, self.size, "bilinear"), self.labels[index]
+        return _crop_resize(pixels, box, self.size, "bilinear"), image.label
 
 
 class PackedFiles(dict):
@@ -309,6 +351,17 @@ def collate_train(batch: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, An
 # ---- main-process side: the device does the float work ----------------------------------------
 
 
+def gpu_decode_unsupported(augmentation: TrainAugmentation) -> str | None:
+    """Why ``data.decode=gpu`` cannot run ``augmentation`` (and the fix), or None when it can."""
+    if augmentation.per_sample_takes_pil:
+        return ("the per-sample augmentation runs on the device there, and this one (a timm policy) works on PIL "
+                "images only: use data.decode=cpu, or a torchvision policy (ta_wide)")
+    if augmentation.interpolation != "bilinear":
+        return (f"the device resizes bilinearly (roi_align), not {augmentation.interpolation}: set "
+                f"data.interpolation=bilinear or use data.decode=cpu")
+    return None
+
+
 class DeviceTrainInput:
     """A batch of :class:`TrainImages` samples to the model's input, on the device: decoding,
     crop, flip and the per-sample policy (``decode=gpu``), then colour jitter, normalisation and
@@ -319,19 +372,17 @@ class DeviceTrainInput:
                  batch_augmentation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.augmentation = augmentation
         self.decode = Decode(decode)
+        if self.decode == Decode.auto:
+            raise ValueError("data.decode=auto is resolved first (common/data/decode_choice.py)")
         self.device = device
         self.normalize = Normalize(mean, std, device)
         self.batch_augmentation = batch_augmentation
         self.grey_weights = torch.tensor(_GREY_WEIGHTS, device=device).view(1, 3, 1, 1)
         self.decode_stream = torch.cuda.Stream(device) if self.decode == Decode.gpu and device.type == "cuda" else None
         if self.decode == Decode.gpu:
-            if augmentation.per_sample_takes_pil:
-                raise UserError("data.decode=gpu runs the per-sample augmentation on the device, and this one "
-                                "(a timm policy) works on PIL images only: use data.decode=cpu, or a torchvision "
-                                "policy (ta_wide)")
-            if augmentation.interpolation != "bilinear":
-                raise UserError(f"data.decode=gpu resizes bilinearly (roi_align), not {augmentation.interpolation}: "
-                                "set data.interpolation=bilinear or use data.decode=cpu")
+            unsupported = gpu_decode_unsupported(augmentation)
+            if unsupported:
+                raise UserError(f"data.decode=gpu: {unsupported}")
             self.check_the_decoder()
         self.device_policy = None  # the per-sample policy, run on the device (decode=gpu) for a whole batch
         if self.decode == Decode.gpu and augmentation.per_sample is not None:
@@ -366,7 +417,9 @@ class DeviceTrainInput:
                 images[i] = piece.view(shape).to(self.device, non_blocking=True).permute(2, 0, 1)
             else:
                 jpegs.append(i)
+        sizes = batch["size"].tolist()
         for i, image in zip(jpegs, self.decode_jpegs([pieces[i] for i in jpegs], [batch["path"][i] for i in jpegs])):
+            check_size(image.shape[1:], sizes[i][1], sizes[i][0], batch["path"][i])  # shapes are known on the host
             images[i] = image
         crops = self.resized_crops(images, batch["box"])
         crops = crops.round_().clamp_(0, 255).to(torch.uint8)  # the per-sample policy sees uint8, as on the CPU

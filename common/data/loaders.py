@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -89,25 +89,45 @@ def make_loader(
     drop_last: bool = False,
     generator: torch.Generator | None = None,
 ) -> DataLoader:
-    """A DataLoader over a resumable sampler with the settings that keep a GPU fed.
+    """A DataLoader over a resumable sampler with the settings that keep a GPU fed, read one epoch
+    per iterator (an evaluation's).
 
-    ``num_workers=-1`` (``trainer.num_workers``' default) starts one worker per CPU core this
-    rank gets (:func:`cpu_cores_per_rank`). Pass a ``generator`` of its own when training uses
-    the global torch RNG (dropout): a new DataLoader iterator draws its workers' base seed from
-    it, and a resumed run creates its iterator at a different step than the uninterrupted run did.
-    """
+    - ``num_workers=-1`` (``trainer.num_workers``' default) starts one worker per CPU core this
+      rank gets (:func:`cpu_cores_per_rank`).
+    - ``generator``: pass one of its own when training uses the global torch RNG (dropout): a new
+      DataLoader iterator draws its workers' base seed from it, and a resumed run creates its
+      iterator at a different step than the uninterrupted run did."""
+    return _loader(dataset, num_workers, pin_memory, collate_fn, generator, sampler=sampler, batch_size=batch_size,
+                   drop_last=drop_last)
+
+
+def make_train_loader(
+    dataset: Dataset,
+    batches: Iterable[list[Any]],
+    num_workers: int,
+    pin_memory: bool,
+    collate_fn: Callable | None = None,
+    generator: torch.Generator | None = None,
+) -> DataLoader:
+    """A training DataLoader whose batches are ``batches``' lists of sampler keys: a plan's
+    :class:`~common.steps.EpochBatches`, which runs on past an epoch's end, so that one iterator
+    serves the whole run and its workers prepare the next epoch's first batches before this one
+    ends. The other arguments are :func:`make_loader`'s."""
+    return _loader(dataset, num_workers, pin_memory, collate_fn, generator, batch_sampler=batches)
+
+
+def _loader(dataset: Dataset, num_workers: int, pin_memory: bool, collate_fn: Callable | None,
+            generator: torch.Generator | None, **batching: Any) -> DataLoader:
     if num_workers < 0:
         num_workers = cpu_cores_per_rank()
     return DataLoader(
         dataset,
-        batch_size=batch_size,
-        sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
         collate_fn=collate_fn,
-        drop_last=drop_last,
         generator=generator,
         worker_init_fn=leave_stop_signals_to_the_rank if num_workers > 0 else None,
+        **batching,
     )

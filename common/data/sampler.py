@@ -58,27 +58,27 @@ class ResumableDistributedSampler(Sampler):
         generator.manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_samples, generator=generator)
 
-    def _remaining_per_rank(self) -> tuple[int, int]:
-        remaining = self.num_samples - self.consumed
-        base, extra = divmod(remaining, self.world_size)
-        if self.drop_last:
-            return base, 0
-        return base, extra
+    def remaining(self, consumed: int) -> int:
+        """This rank's samples of an epoch from position ``consumed`` of its global order."""
+        base, extra = divmod(self.num_samples - consumed, self.world_size)
+        return base if self.drop_last else base + (1 if self.rank < extra else 0)
 
     def __len__(self) -> int:
-        base, extra = self._remaining_per_rank()
-        return base + (1 if self.rank < extra else 0)
+        return self.remaining(self.consumed)
 
     def samples_per_rank_in_epoch(self) -> int:
         """Samples each rank sees in a whole epoch started from the beginning (``drop_last`` ranks)."""
         return self.num_samples // self.world_size
 
+    def keys(self, epoch: int, consumed: int = 0) -> list[Any]:
+        """This rank's samples of ``epoch`` from position ``consumed`` on, as the sampler yields them
+        (indices, or ``(epoch, index)`` pairs); any epoch, without moving the sampler."""
+        order = self.global_order(epoch)[consumed:]
+        mine = order[self.rank :: self.world_size][: self.remaining(consumed)].tolist()
+        return [(epoch, index) for index in mine] if self.yield_epoch else mine
+
     def __iter__(self) -> Iterator[Any]:
-        order = self.global_order(self.epoch)[self.consumed :]
-        mine = order[self.rank :: self.world_size][: len(self)].tolist()
-        if self.yield_epoch:
-            return iter([(self.epoch, index) for index in mine])
-        return iter(mine)
+        return iter(self.keys(self.epoch, self.consumed))
 
     def index_batches(self, batch_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
         """This rank's remaining indices of the epoch as tensors of ``batch_size`` on ``device`` (the

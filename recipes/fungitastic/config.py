@@ -11,7 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from common.config import CheckpointConfig, Decode, FSDPConfig, LoggingConfig, Precision, RunConfig, TrainerConfig
+from common.config import (
+    CheckpointConfig,
+    DataFormat,
+    Decode,
+    FSDPConfig,
+    LoggingConfig,
+    Precision,
+    RunConfig,
+    ShardsConfig,
+    TrainerConfig,
+)
 
 DEFAULT_LEVELS = ["species", "genus", "family", "order", "class", "phylum"]
 
@@ -35,8 +45,11 @@ class DataConfig:
     randaugment_magnitude: int = 20
     horizontal_flip: bool = False
     draft_decode: bool = True  # let libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale (never below image_size)
-    decode: Decode = Decode.cpu  # training JPEGs: cpu = decoded and cropped in DataLoader workers; gpu = on the device
+    decode: Decode = Decode.auto  # training JPEGs: cpu = in DataLoader workers; gpu = on the device; auto = the faster
     skip_missing: bool = False  # rows whose image file is missing: false = stop with an error, true = skip them
+    format: DataFormat = DataFormat.files  # files: listed once (prepared_dir); shards: see data.shards
+    shards: ShardsConfig = field(default_factory=ShardsConfig)  # <shards.root>/<subset>-<size>[-minimal]/<split>
+    rebuild_index: bool = False  # list each split's files again, even when its saved list is up to date
     test_split: bool = True  # evaluate the final model on the test split (its CSV must have labels)
 
 

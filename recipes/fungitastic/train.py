@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.data.decode_choice import choose_train_decode
 from common.data.image_batches import Normalize
 from common.data.images import DeviceTrainInput, ResizedImages, TrainImages, collate_train
-from common.data.loaders import PerSampleSeeded, make_loader
+from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main
 from common.errors import UserError
@@ -111,22 +112,21 @@ class SplitEvaluation:
         self.levels = list(cfg.data.levels)
         mappings = metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset)
         self.num_classes = class_counts(cfg, mappings)
-        self.files = split_files(cfg.data, split, mappings)
+        self.files = split_files(cfg.data, split, mappings, cfg.run_dir, dist_info.local_rank)
         self.parents = ({level: metadata.parent_table(mappings, level) for level in self.levels if level != "species"}
                         if "species" in self.levels else {})
         self.heads = dict(self.num_classes)
         if self.parents and cfg.model.derive_from_species:
             self.heads |= {f"{level}_from_species": self.num_classes[level] for level in self.parents}
         self.criterion = MultiTaskLoss(self.levels, dict(cfg.loss.level_weights), {}, cfg.optim.label_smoothing)
-        sampler = ResumableDistributedSampler(len(self.files.paths), dist_info.rank, dist_info.world_size,
+        sampler = ResumableDistributedSampler(len(self.files.images), dist_info.rank, dist_info.world_size,
                                               shuffle=False, drop_last=False)
-        images = ResizedImages(self.files.paths, torch.from_numpy(self.files.labels), cfg.data.image_size,
-                               cfg.data.draft_decode)
+        images = ResizedImages(self.files.images, cfg.data.image_size, cfg.data.draft_decode)
         # Own generator: creating an iterator must not draw from the global RNG that drop path uses.
         self.loader = make_loader(images, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
                                   dist_info.device.type == "cuda", generator=torch.Generator())
         self.normalize = Normalize(*input_normalization(cfg.model, cfg.data.image_size), dist_info.device)
-        self.forwards = most_batches(len(self.files.paths), dist_info.world_size, cfg.trainer.eval_batch_size)
+        self.forwards = most_batches(len(self.files.images), dist_info.world_size, cfg.trainer.eval_batch_size)
 
     def __call__(self, model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
         cfg, device, levels = self.cfg, self.dist_info.device, self.levels
@@ -161,7 +161,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     # ---- data: label spaces and every split's CSV and images, checked before anything else -----
     mappings = metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset)
     num_classes = class_counts(cfg, mappings)
-    train_files = split_files(cfg.data, "train", mappings)
+    train_files = split_files(cfg.data, "train", mappings, cfg.run_dir, dist_info.local_rank)
     evaluators = {split: SplitEvaluation(cfg, dist_info, split) for split in SPLITS
                   if split != "test" or cfg.data.test_split}
     class_weights: dict[str, torch.Tensor] = {}
@@ -184,16 +184,18 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
 
     # ---- loaders: workers draw each sample's augmentation, seeded per (seed, epoch, index), and
     # decode and crop it (data.decode=cpu) or leave that to the device (gpu); normalised on the device
-    sampler = ResumableDistributedSampler(len(train_files.paths), dist_info.rank, dist_info.world_size,
+    sampler = ResumableDistributedSampler(len(train_files.images), dist_info.rank, dist_info.world_size,
                                           seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
     plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.keep)
     augmentation = train_augmentation(cfg.data)
-    train_images = PerSampleSeeded(TrainImages(train_files.paths, torch.from_numpy(train_files.labels), augmentation,
-                                               cfg.data.decode, cfg.data.draft_decode), cfg.seed)
+    decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_files.images,
+                                 cfg.data.draft_decode, model, cfg.data.image_size, device)  # auto measures both sides
+    train_images = PerSampleSeeded(TrainImages(train_files.images, augmentation, decode.decode, cfg.data.draft_decode),
+                                   cfg.seed)
     # Own generator: creating an iterator must not draw from the global RNG that drop path uses.
-    train_loader = make_loader(train_images, sampler, plan.micro_batch, cfg.trainer.num_workers, device.type == "cuda",
-                               collate_fn=collate_train, drop_last=plan.drop_last, generator=torch.Generator())
-    train_input = DeviceTrainInput(augmentation, cfg.data.decode, *input_normalization(cfg.model, cfg.data.image_size),
+    train_loader = make_train_loader(train_images, plan.epoch_batches(), cfg.trainer.num_workers, device.type == "cuda",
+                                     collate_fn=collate_train, generator=torch.Generator())
+    train_input = DeviceTrainInput(augmentation, decode.decode, *input_normalization(cfg.model, cfg.data.image_size),
                                    device)
 
     # ---- optimization: LR rule, layer-wise groups, schedule ---------------------------------
@@ -213,7 +215,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     progress = run.resume()
     splits = [train_files, *(evaluate.files for evaluate in evaluators.values())]
     for files in splits:
-        run.console(f"{files.name}: {len(files.paths)} images from {files.csv}")
+        run.console(f"{files.name}: {files.origin}")
         if files.unknown_species:
             run.console(f"{files.name}: excluded {files.unknown_species} row(s) whose species is unknown (-1) "
                         f"from the closed-set metrics")
@@ -225,8 +227,8 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     run.console(
         f"fungitastic: {cfg.model.name} with heads {', '.join(f'{r} ({num_classes[r]})' for r in levels)} on "
         f"{dist_info.world_size} rank(s) on {device.type}{' with FSDP2' if cfg.fsdp.enabled else ''}, "
-        f"{plan.describe()}, lr {lr:g}, {plan.total} steps; images "
-        f"decoded on {cfg.data.decode.value} by {train_loader.num_workers} loader workers per rank"
+        f"{plan.describe()}, lr {lr:g}, {plan.total} steps; images decoded on {decode.decode.value} by "
+        f"{train_loader.num_workers} loader workers per rank ({decode.reason})"
     )
 
     def run_eval(split: str) -> dict[str, float]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from common.config import (
     CheckpointConfig,
+    DataFormat,
     Decode,
     EmaConfig,
     FSDPConfig,
@@ -22,6 +23,7 @@ from common.config import (
     MixupConfig,
     Precision,
     RunConfig,
+    ShardsConfig,
     TrainerConfig,
 )
 
@@ -31,9 +33,12 @@ class DataConfig:
     root: str = "data/imagenet"  # ImageFolder tree: <root>/train/<wnid>/*.JPEG, <root>/val/<wnid>/*.JPEG
     train_split: str = "train"
     val_split: str = "val"
+    format: DataFormat = DataFormat.files  # files: the tree, listed once (<root>/<split>.index.npz); shards
+    shards: ShardsConfig = field(default_factory=ShardsConfig)  # data.format=shards: <shards.root>/<split>
+    rebuild_index: bool = False  # list the tree's files again, even when its saved list is up to date
     stage_to_local: bool = False  # copy data.root to stage_dir first (local rank 0 copies, the others wait)
     stage_dir: str = "${oc.env:TMPDIR,/tmp}"  # node-local disk; SLURM sets TMPDIR per job on most clusters
-    decode: Decode = Decode.cpu  # training JPEGs: cpu = decoded and cropped in DataLoader workers; gpu = on the device
+    decode: Decode = Decode.auto  # training JPEGs: cpu = in DataLoader workers; gpu = on the device; auto = the faster
     draft_decode: bool = True  # decode at 1/2, 1/4 or 1/8 scale when the crop stays >= the output size (cpu)
     # Resolutions: 0 / "" / 0.0 take the model's own default (timm's resolve_data_config).
     train_size: int = 224

@@ -1,7 +1,10 @@
 """ImageNet-style ImageFolder data with timm's augmentation, fed to the device as uint8.
 
 Layout: ``<root>/train/<wnid>/*.JPEG`` and ``<root>/val/<wnid>/*.JPEG`` (``make prep-timm_imagenet``
-checks it and sorts a flat val folder). Training images go through ``common/data/images.py``: timm's
+checks it and sorts a flat val folder). Each split's files are listed once, in ImageFolder's order
+and with its labels, and the list saved as ``<root>/<split>.index.npz`` (``common/data/file_index.py``);
+``data.format=shards`` reads the same list's files from shards instead (``common/data/shards.py``).
+Training images go through ``common/data/images.py``: timm's
 random-resized crop, flip and policy (RandAugment, AutoAugment, AugMix, or torchvision's
 TrivialAugmentWide) per sample, in DataLoader workers or on the device (``data.decode``); timm's
 colour jitter, normalisation and random erasing on the device, a batch at a time, as timm's
@@ -12,6 +15,8 @@ index), so the augmentations of a resumed run are those of the uninterrupted run
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +24,21 @@ import torch
 from PIL import Image
 from timm.data import create_transform, resolve_data_config
 from timm.data.random_erasing import RandomErasing
-from torchvision.datasets import ImageFolder
+from torch.utils.data import Dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 from torchvision.transforms import v2
 
+from common.config import DataFormat
+from common.data import file_index
+from common.data.file_index import FileIndex, IndexedFiles, load_or_build
 from common.data.images import INTERPOLATIONS, TrainAugmentation
+from common.data.loaders import cpu_cores_per_rank
+from common.data.shards import ShardImages, shard_folder
 from common.errors import UserError
 from recipes.timm_imagenet.config import DataConfig
+
+PREP = "make prep-timm_imagenet"
+SHARDS = f"{PREP} FORMAT=shards"
 
 
 class UnreadableImage(UserError):
@@ -36,13 +50,14 @@ class UnreadableImage(UserError):
         super().__init__(last_line.split(f"{type(self).__name__}: ", 1)[-1])
 
 
-def load_rgb(path: str) -> Image.Image:
+def load_rgb(data: bytes | Any, name: str) -> Image.Image:
+    """The encoded image ``data`` as an RGB PIL image (what ImageFolder's loader gives timm's transform)."""
     try:
-        with Image.open(path) as image:
+        with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
     except (OSError, SyntaxError, ValueError) as error:
         raise UnreadableImage(
-            f"{path} is not a readable image ({error}); `make prep-timm_imagenet SOURCE=...` lists every such file"
+            f"{name} is not a readable image ({error}); `make prep-timm_imagenet SOURCE=...` lists every such file"
         ) from error
 
 
@@ -71,16 +86,69 @@ def check_layout(root: str | Path, train_split: str, val_split: str) -> tuple[Pa
 
 
 def class_names(cfg: DataConfig) -> list[str]:
-    """The class folders (the model's outputs, in order), read from the val folder's listing."""
+    """The class folders (the model's outputs, in order): the val folder's listing, or what its shards say."""
+    if cfg.format == DataFormat.shards:
+        return open_shards(cfg, cfg.val_split).metadata["classes"]
     _, val_dir = check_layout(cfg.root, cfg.train_split, cfg.val_split)
     return sorted(path.name for path in val_dir.iterdir() if path.is_dir())
 
 
-def image_folder(folder: Path, transform: Any) -> ImageFolder:
+def list_split(root: Path, split: str, workers: int) -> FileIndex:
+    """The files of ``<root>/<split>`` in ImageFolder's order, with its labels (torchvision's own
+    ``find_classes`` and ``make_dataset``) and their headers read in ``workers`` processes, watching
+    the folders they are in."""
+    folder = root / split
     try:
-        return ImageFolder(str(folder), transform=transform, loader=load_rgb)
+        classes, class_to_idx = find_classes(str(folder))
+        samples = make_dataset(str(folder), class_to_idx, extensions=IMG_EXTENSIONS)
     except FileNotFoundError as error:
         raise UserError(f"{folder}: {error}") from error
+    names = [os.path.relpath(path, root) for path, _ in samples]
+    folders = {split, *(os.path.join(split, name) for name in classes), *(os.path.dirname(name) for name in names)}
+    return file_index.build(root, names, [label for _, label in samples], sorted(folders), workers, str(folder),
+                            classes=classes)
+
+
+def index_file(root: Path, split: str) -> Path:
+    return root / f"{split}{file_index.SUFFIX}"
+
+
+def split_files(cfg: DataConfig, split: str, root: Path, run_dir: str, local_rank: int) -> tuple[IndexedFiles, Path]:
+    """The split's files from its saved list (listed and saved first when there is none), and the list's path."""
+    index, path = load_or_build(root, index_file(root, split), Path(run_dir),
+                                lambda: list_split(root, split, cpu_cores_per_rank()), cfg.rebuild_index, local_rank,
+                                f"`{PREP} SOURCE=...`")
+    return IndexedFiles(root, index), path
+
+
+def open_shards(cfg: DataConfig, split: str) -> ShardImages:
+    return ShardImages(shard_folder(cfg.shards.root, split), cfg.shards.cache_dir, cfg.shards.cache_limit,
+                       {"recipe": "timm_imagenet", "split": split}, SHARDS)
+
+
+def split_images(cfg: DataConfig, split: str, run_dir: str, local_rank: int) -> tuple[Dataset, list[str], str]:
+    """A split's images (as ``common.data.images.TrainImages`` takes them), its classes and where they
+    come from: the tree's saved file list (``data.format=files``) or the split's shards."""
+    if cfg.format == DataFormat.shards:
+        shards = open_shards(cfg, split)
+        return shards, shards.metadata["classes"], shards.describe()
+    files, path = split_files(cfg, split, Path(cfg.root), run_dir, local_rank)
+    return files, files.index.info["classes"], f"{len(files):,} images of {cfg.root}, listed in {path}"
+
+
+class EvalImages(Dataset):
+    """``(timm's evaluation transform of the image, label)`` for each image of a source."""
+
+    def __init__(self, images: Dataset, transform: Any) -> None:
+        self.images = images
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, Any]:
+        image = self.images[index]
+        return self.transform(load_rgb(image.data, image.name)), image.label
 
 
 def resolve(model: torch.nn.Module, size: int, crop_pct: float, interpolation: str) -> dict[str, Any]:

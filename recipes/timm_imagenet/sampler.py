@@ -12,8 +12,6 @@ number of positions consumed, so a run resumes exactly where it stopped, on any 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from common.data.sampler import ResumableDistributedSampler
@@ -50,11 +48,11 @@ class RepeatedAugmentationSampler(ResumableDistributedSampler):
         permutation = torch.randperm(self.dataset_size, generator=generator)
         return permutation.repeat_interleave(self.repeats)[: self.num_samples]
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        positions = torch.arange(self.consumed, self.num_samples)[self.rank :: self.world_size][: len(self)]
-        indices = self.global_order(self.epoch)[positions]
-        draws = self.epoch * self.repeats + positions % self.repeats
-        return iter(list(zip(draws.tolist(), indices.tolist())))
+    def keys(self, epoch: int, consumed: int = 0) -> list[tuple[int, int]]:
+        positions = torch.arange(consumed, self.num_samples)[self.rank :: self.world_size][: self.remaining(consumed)]
+        indices = self.global_order(epoch)[positions]
+        draws = epoch * self.repeats + positions % self.repeats
+        return list(zip(draws.tolist(), indices.tolist()))
 
     def state_dict(self) -> dict[str, int]:
         return {**super().state_dict(), "repeats": self.repeats, "dataset_size": self.dataset_size}

@@ -27,9 +27,11 @@ from timm.optim import create_optimizer_v2, list_optimizers
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
+from common.config import DataFormat
+from common.data.decode_choice import choose_train_decode
 from common.data.image_batches import Normalize
 from common.data.images import DeviceTrainInput, TrainImages, collate_train
-from common.data.loaders import PerSampleSeeded, make_loader
+from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.data.staging import stage_directory
 from common.entry import recipe_main
@@ -47,13 +49,15 @@ from common.run import TrainingRun
 from common.steps import EpochTail, StepPlan, compile_static
 from recipes.timm_imagenet.config import TimmImageNetConfig
 from recipes.timm_imagenet.data import (
+    EvalImages,
     check_layout,
     class_names,
     describe_input,
     eval_transform,
-    image_folder,
     random_erasing,
     resolve,
+    split_files,
+    split_images,
     train_augmentation,
 )
 from recipes.timm_imagenet.model import build_model
@@ -83,14 +87,15 @@ def process_group(cfg: TimmImageNetConfig) -> dict[str, bool]:
 
 
 def evaluator(cfg: TimmImageNetConfig, dist_info: DistInfo, split: str) -> Evaluate:
-    """Loss, top-1 and top-5 over the val folder with timm's evaluation transform (resize, centre
-    crop; normalised on the device), each image counted once across ranks."""
-    _, val_dir = check_layout(cfg.data.root, cfg.data.train_split, cfg.data.val_split)
-    images = image_folder(val_dir, None)
+    """Loss, top-1 and top-5 over the val folder (or its shards) with timm's evaluation transform
+    (resize, centre crop; normalised on the device), each image counted once across ranks."""
+    if cfg.data.format == DataFormat.files:
+        check_layout(cfg.data.root, cfg.data.train_split, cfg.data.val_split)
+    source, classes, _ = split_images(cfg.data, cfg.data.val_split, cfg.run_dir, dist_info.local_rank)
     with torch.device("meta"):  # only its data config (size, interpolation, mean and std) is read
-        eval_config = resolve(build_model(cfg.model, len(images.classes), pretrained=False), cfg.data.eval_size,
+        eval_config = resolve(build_model(cfg.model, len(classes), pretrained=False), cfg.data.eval_size,
                               cfg.data.eval_crop_pct, cfg.data.interpolation)
-    images.transform = eval_transform(eval_config)
+    images = EvalImages(source, eval_transform(eval_config))
     sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,
                                           drop_last=False)
     loader = make_loader(images, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
@@ -123,15 +128,22 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     device = dist_info.device
     seed_everything(cfg.seed)
 
-    # ---- data: layout checked first, optionally copied to node-local disk --------------------
+    # ---- data: the tree's saved file lists (checked, or made once), optionally copied to node-local
+    # disk with them; or the splits' shards ---------------------------------------------------------
     root = Path(cfg.data.root)
-    check_layout(root, cfg.data.train_split, cfg.data.val_split)
-    if cfg.data.stage_to_local:
-        root = stage_directory(root, cfg.data.stage_dir, dist_info.local_rank)
+    if cfg.data.format == DataFormat.files:
+        check_layout(root, cfg.data.train_split, cfg.data.val_split)
+        if cfg.data.stage_to_local:
+            for split in (cfg.data.train_split, cfg.data.val_split):  # listed before the copy, which takes them
+                split_files(cfg.data, split, root, cfg.run_dir, dist_info.local_rank)
+            root = stage_directory(root, cfg.data.stage_dir, dist_info.local_rank)
     staged = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, root=str(root)))  # read from here
-    train_dir, _ = check_layout(root, cfg.data.train_split, cfg.data.val_split)
-    train_folder = image_folder(train_dir, None)
-    num_classes = len(train_folder.classes)
+    train_source, classes, train_origin = split_images(staged.data, cfg.data.train_split, cfg.run_dir,
+                                                       dist_info.local_rank)
+    num_classes = len(classes)
+    if class_names(staged.data) != classes:
+        raise UserError(f"the {cfg.data.val_split} split holds other classes than {cfg.data.train_split} "
+                        f"({train_origin}): prepare both from one dataset")
     evaluate = evaluator(staged, dist_info, SPLITS[0])
 
     # ---- model, and the data config that goes with it (sizes, interpolation, mean/std) -------
@@ -139,9 +151,10 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     train_config = resolve(model, cfg.data.train_size, 0.0, cfg.data.interpolation)
     eval_config = resolve(model, cfg.data.eval_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
     augmentation = train_augmentation(cfg.data, train_config)
-    train_images = TrainImages([path for path, _ in train_folder.samples], train_folder.targets, augmentation,
-                               cfg.data.decode, cfg.data.draft_decode)
-    train_input = DeviceTrainInput(augmentation, cfg.data.decode, train_config["mean"], train_config["std"], device,
+    decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_source, cfg.data.draft_decode,
+                                 model, train_config["input_size"][-1], device)  # data.decode=auto measures both sides
+    train_images = TrainImages(train_source, augmentation, decode.decode, cfg.data.draft_decode)
+    train_input = DeviceTrainInput(augmentation, decode.decode, train_config["mean"], train_config["std"], device,
                                    random_erasing(cfg.data, device))
     if cfg.ema.enabled and cfg.fsdp.enabled:
         raise UserError("ema.enabled keeps a whole copy of the weights on every rank, which fsdp.enabled shards: "
@@ -166,9 +179,8 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
         sampler = ResumableDistributedSampler(len(train_images), dist_info.rank, dist_info.world_size,
                                               seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
     plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.drop_partial_batch)
-    train_loader = make_loader(PerSampleSeeded(train_images, cfg.seed), sampler, plan.micro_batch,
-                               cfg.trainer.num_workers, device.type == "cuda", collate_fn=collate_train,
-                               drop_last=plan.drop_last)
+    train_loader = make_train_loader(PerSampleSeeded(train_images, cfg.seed), plan.epoch_batches(),
+                                     cfg.trainer.num_workers, device.type == "cuda", collate_fn=collate_train)
 
     # ---- optimization: LR rule, timm optimizer and schedule, Mixup, loss -----------------------
     lr = scaled_lr(cfg.optim.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
@@ -199,9 +211,10 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
                                   extra_state={"ema": ema.module} if ema is not None else None)
     progress = run.resume()
     run.console(
-        f"timm_imagenet: {cfg.model.name}, {num_classes} classes, {len(train_images)} train images from {root}\n"
-        f"  train {describe_input(train_config, with_crop=False)} decoded on {cfg.data.decode.value}, eval "
+        f"timm_imagenet: {cfg.model.name}, {num_classes} classes, train: {train_origin}\n"
+        f"  train {describe_input(train_config, with_crop=False)} decoded on {decode.decode.value}, eval "
         f"{describe_input(eval_config, with_crop=True)}, {train_loader.num_workers} loader workers per rank\n"
+        f"  {decode.reason}\n"
         f"  {dist_info.world_size} rank(s) on {device.type}{' with FSDP2' if cfg.fsdp.enabled else ''}, "
         f"{plan.describe()}, {cfg.optim.opt} lr {lr:g}, "
         f"{plan.total} steps"

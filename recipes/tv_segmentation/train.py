@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from common.data.image_batches import Normalize
-from common.data.loaders import PerSampleSeeded, make_loader
+from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import recipe_main
 from common.evaluate import metric_prefix, model_outputs
@@ -99,8 +99,8 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
     # Full optimizer steps only: an epoch's remainder of less than a step is left out (BatchNorm).
     plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.drop_partial_step)
     # Own generator: creating an iterator must not draw from the global RNG that dropout uses.
-    train_loader = make_loader(train_set, sampler, plan.micro_batch, cfg.trainer.num_workers, device.type == "cuda",
-                               collate_fn=pad_collate, drop_last=plan.drop_last, generator=torch.Generator())
+    train_loader = make_train_loader(train_set, plan.epoch_batches(), cfg.trainer.num_workers, device.type == "cuda",
+                                     collate_fn=pad_collate, generator=torch.Generator())
     normalize = Normalize(MEAN, STD, device)  # the loaders hand over uint8
 
     # ---- model: torchvision by name, synchronised BatchNorm under DDP -------------------------

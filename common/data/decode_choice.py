@@ -1,0 +1,139 @@
+"""``data.decode=auto``: decode training JPEGs where it does not slow the run down.
+
+DataLoader workers decoding on the CPU cost the GPU nothing, as long as they keep up with it;
+decoding on the GPU (nvjpeg, ``data.decode=gpu``) frees the CPU but takes time from every step.
+So the CPU wins while the cores a rank gets decode at least as many images per second as the
+model trains, and the GPU wins below that: on a node with few cores per GPU, or for a small
+model. ``auto`` measures both sides at start-up, on rank 0, and every rank takes its choice:
+
+- supply: images/s one core decodes and augments through the recipe's own CPU pipeline (a few of
+  the run's training files, this thread's CPU time), times the loader workers of the rank;
+- demand: images/s the model trains on this GPU: forward and backward of a synthetic micro-batch
+  (the weights, buffers, gradients and random generators are left as they were).
+
+Where only one side can run (a CPU device; a per-sample policy or an interpolation that only the
+CPU path has), or where the run must not depend on timings (``trainer.deterministic``), ``auto``
+is the CPU. The choice and its reason are one line of the recipe's start-up summary.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, Subset
+
+from common.config import Decode, Precision, TrainerConfig
+from common.data.images import TrainAugmentation, TrainImages, gpu_decode_unsupported
+from common.data.loaders import PerSampleSeeded, cpu_cores_per_rank
+from common.pytorch import distributed
+from common.pytorch.fsdp import is_sharded
+from common.pytorch.precision import autocast
+
+HEADROOM = 1.1  # the CPU must supply this much more than the model trains: decode times vary per file
+_SAMPLE_SECONDS = 0.3  # of one core's CPU time spent measuring its decode rate
+_TIMED_STEPS = 2
+_SAMPLE_FILES = 64  # training files the decode rate is measured on, at most
+
+
+@dataclass(frozen=True)
+class DecodeChoice:
+    decode: Decode
+    reason: str
+
+
+def choose_decode(configured: Decode, *, device: torch.device, deterministic: bool, gpu_unsupported: str | None,
+                  workers: int, core_rate: Callable[[], float], model_rate: Callable[[], float],
+                  model_is_sharded: bool = False) -> DecodeChoice:
+    """Where this run decodes: ``configured`` unless it is ``auto``; then the CPU while ``workers``
+    cores at ``core_rate()`` images/s each supply ``HEADROOM`` x ``model_rate()``, else the GPU.
+
+    - ``gpu_unsupported``: why the GPU path cannot run this augmentation (None: it can).
+    - ``core_rate`` and ``model_rate`` are measured only when the choice needs them, on rank 0
+      (``model_rate`` on every rank when ``model_is_sharded``: FSDP2's forward passes are collective);
+      the choice is every rank's (collective)."""
+    if configured != Decode.auto:
+        return DecodeChoice(configured, f"data.decode={configured.value}")
+    if device.type != "cuda":
+        return DecodeChoice(Decode.cpu, "data.decode=auto: the device is not a GPU")
+    if gpu_unsupported:
+        return DecodeChoice(Decode.cpu, f"data.decode=auto: {gpu_unsupported}")
+    if deterministic:
+        return DecodeChoice(Decode.cpu, "data.decode=auto: trainer.deterministic=true, and the choice would depend on "
+                                        "timings (set data.decode=gpu to decode on the GPU)")
+    choice = None
+    demand = model_rate() if model_is_sharded else None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        per_core, demand = core_rate(), model_rate() if demand is None else demand
+        supply = per_core * max(workers, 1)
+        decode = Decode.cpu if supply >= HEADROOM * demand else Decode.gpu
+        choice = DecodeChoice(decode, f"data.decode=auto: {max(workers, 1)} loader worker(s) decode ~{supply:,.0f} "
+                                      f"images/s (~{per_core:,.0f} per core) and the model trains ~{demand:,.0f} on "
+                                      f"this GPU; the CPU keeps up from {HEADROOM * demand / per_core:.1f} cores")
+    return distributed.broadcast_object(choice)
+
+
+def core_rate(decode_one: Callable[[int], object], count: int) -> float:
+    """Images/s one core decodes: ``decode_one(i)`` for i = 0, 1, ... (at most ``count``) for about
+    ``_SAMPLE_SECONDS`` of this thread's CPU time, after one not counted (its imports, its caches)."""
+    decode_one(0)
+    start, done = time.thread_time(), 0
+    while done < count - 1 and time.thread_time() - start < _SAMPLE_SECONDS:
+        decode_one(1 + done)
+        done += 1
+    return done / max(time.thread_time() - start, 1e-6)
+
+
+def model_rate(model: torch.nn.Module, batch: int, image_size: int, precision: Precision, channels_last: bool,
+               device: torch.device) -> float:
+    """Images/s ``model`` trains (forward and backward, no optimizer step) on a synthetic batch of
+    ``batch`` images on ``device``; its parameters, buffers, gradients and the random generators
+    are as they were before."""
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        images = torch.randn(batch, 3, image_size, image_size, device=device)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        seconds = 0.0
+        for step in range(1 + _TIMED_STEPS):  # the first autotunes cuDNN, as the run's first step would
+            _synchronize(device)
+            start = time.perf_counter()
+            with autocast(device, precision):
+                output = model(images)
+            outputs = output.values() if isinstance(output, dict) else [output]  # a multi-task model's heads
+            sum(head.float().mean() for head in outputs).backward()
+            _synchronize(device)
+            seconds += (time.perf_counter() - start) if step else 0.0
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    return _TIMED_STEPS * batch / seconds
+
+
+def choose_train_decode(configured: Decode, trainer: TrainerConfig, augmentation: TrainAugmentation,
+                        images: Dataset, draft_decode: bool, model: torch.nn.Module, image_size: int,
+                        device: torch.device) -> DecodeChoice:
+    """:func:`choose_decode` for a recipe's training images (``images``: their source, files or shards)
+    and its built ``model``, with the ``trainer`` node's workers, micro-batch, precision and
+    determinism. Collective."""
+    workers = trainer.num_workers if trainer.num_workers >= 0 else cpu_cores_per_rank()
+    files = TrainImages(Subset(images, range(min(len(images), _SAMPLE_FILES))), augmentation, Decode.cpu,
+                        draft_decode)
+    seeded = PerSampleSeeded(files, seed=0)  # the augmentation draws from the global generators: left as they are
+    return choose_decode(
+        configured, device=device, deterministic=trainer.deterministic,
+        gpu_unsupported=gpu_decode_unsupported(augmentation), workers=workers,
+        core_rate=lambda: core_rate(lambda index: seeded[(0, index)], len(files)),
+        model_rate=lambda: model_rate(model, trainer.batch_size, image_size, trainer.precision, trainer.channels_last,
+                                      device),
+        model_is_sharded=is_sharded(model),
+    )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
