@@ -638,6 +638,9 @@ class TrainingRun:
             self._bar.close()
             self._bar = None
             self._stream_at = (self.sampler.epoch + 1, 0) if plan.epoch_done() else None
+            if self._flop_count is not None:  # a step that failed: its counter must not stay on in this process
+                self._flop_count.stop()
+                self._flop_count = None
 
     def _epoch_source(self, micro_batches: Iterable[Any]) -> Iterator[Any]:
         """This epoch's micro-batches, timed: a new iterator over ``micro_batches`` (index tensors, or

@@ -314,6 +314,9 @@ def test_a_loop_whose_loss_sum_has_another_name_stops_at_its_first_step_with_one
     seen = probe(RECIPE, configs(), steps=2)
     assert seen.error is not None and "run.step_done() got loss=None" in seen.error and "\n" not in seen.error
     assert seen.run.progress.step == 0, "no step may be counted unwatched"
+    compiled: list[object] = []  # the first step's FLOP counter ran torch.compile eagerly: it must be off again
+    torch.compile(lambda x: x + 1, backend=lambda graph, inputs: compiled.append(graph) or graph.forward)(torch.ones(1))
+    assert compiled, "the failed step left torch.compile forced eager in this process"
 
 
 def test_a_rollback_in_dinov2_fsdps_fine_tune_goes_back_to_the_fine_tune(

@@ -630,6 +630,14 @@ MUTATIONS: list[Mutation] = [
     ),
     # ---- issue 35: what a step costs, and the data that feeds it -------------------------------------
     Mutation(
+        "failed-step-leaves-the-flop-counter-on", "common/run.py",
+        "            if self._flop_count is not None:  # a step that failed: its counter must not stay on in this "
+        "process",
+        "            if False:",
+        (f"{DIVERGENCE}test_a_loop_whose_loss_sum_has_another_name_stops_at_its_first_step_with_one_line",),
+        "a run whose first step fails in-process (a search trial, a notebook) leaves torch.compile forced eager",
+    ),
+    Mutation(
         "loader-iterator-per-epoch", "common/run.py",
         "        if self._stream is None or self._stream[0] is not micro_batches or self._stream_at != at:",
         "        if True:",
