@@ -120,10 +120,9 @@ def _write_class(job: tuple[Path, int, int, int]) -> None:
 def write_jpeg_folder(root: Path, settings: Settings) -> Path:
     """``train/`` and ``val/`` class folders of photo-like JPEGs (quality 90), written in parallel."""
     per_class = settings.images // settings.classes
-    jobs = [(root / split / f"n{label:08d}", label, count, seed)
-            for seed, (split, count) in enumerate((("train", per_class), ("val", max(1, per_class // 10))))
+    jobs = [(root / split / f"n{label:08d}", label, count, 1000 * split_index + label)
+            for split_index, (split, count) in enumerate((("train", per_class), ("val", max(1, per_class // 10))))
             for label in range(settings.classes)]
-    jobs = [(folder, label, count, 1000 * seed + label) for folder, label, count, seed in jobs]
     with multiprocessing.Pool(min(len(jobs), os.cpu_count() or 1)) as pool:
         pool.map(_write_class, jobs)
     return root
