@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,26 +112,27 @@ def synchronize(device: torch.device) -> None:
 
 
 def fits(setup: Setup, batch: int, device: torch.device, steps: int = 1) -> bool:
-    """Whether ``steps`` steps of ``batch`` images run without running out of memory."""
+    """Whether ``steps`` steps of ``batch`` images run without running out of memory (two in the search:
+    the second step's memory is the steady state's)."""
     try:
         for _ in range(steps):
             train_step(setup, batch, device)
         synchronize(device)
         return True
     except torch.OutOfMemoryError:
-        setup.optimizer.zero_grad(set_to_none=True)
-        reset_after_error(setup.model)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        clean_up_after_error(setup, device)
         return False
 
 
-def reset_after_error(model: torch.nn.Module) -> None:
+def clean_up_after_error(setup: Setup, device: torch.device) -> None:
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule):
-        model.reset_iter_state()
+    setup.optimizer.zero_grad(set_to_none=True)
+    if isinstance(setup.model, FSDPModule) and hasattr(setup.model, "reset_iter_state"):  # torch >= 2.12
+        setup.model.reset_iter_state()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def peak_gib(setup: Setup, batch: int, device: torch.device, steps: int) -> float:
@@ -150,7 +152,7 @@ def largest_batch(setup: Setup, device: torch.device, limit: int) -> int:
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
     guess = min(limit, max(24, int((0.95 * total - (small - 8 * per_image)) / per_image) // 8 * 8))
     fitting = 16
-    while fits(setup, guess, device):
+    while fits(setup, guess, device, steps=2):
         fitting = guess
         if guess >= limit:
             return guess
@@ -160,7 +162,7 @@ def largest_batch(setup: Setup, device: torch.device, limit: int) -> int:
         middle = (fitting + failing) // 2 // 8 * 8
         if middle <= fitting:
             break
-        if fits(setup, middle, device):
+        if fits(setup, middle, device, steps=2):
             fitting = middle
         else:
             failing = middle
@@ -187,6 +189,8 @@ def measure(build: Callable[[str, torch.device, bool], Setup], device: torch.dev
     """Each activation-checkpointing mode of one model: its largest batch and images/s (a GPU), or
     images/s at a batch of 4 (a CPU)."""
     results = []
+    if device.type == "cuda":  # a batch near the limit must not fail on the cache's fragments
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     for mode in MODES:
         torch.manual_seed(0)
         setup = build(mode, device, device.type == "cpu")
@@ -197,13 +201,20 @@ def measure(build: Callable[[str, torch.device, bool], Setup], device: torch.dev
         else:
             limit = 1024 if quick else 8192
             batch = largest_batch(setup, device, limit)
-            speed, peak = images_per_s(setup, batch, device, warmup=1, steps=3 if quick else 6)
+            while True:  # the timed steps can meet fragments the search's two did not: a sixteenth less
+                try:
+                    speed, peak = images_per_s(setup, batch, device, warmup=1, steps=3 if quick else 6)
+                    break
+                except torch.OutOfMemoryError:
+                    clean_up_after_error(setup, device)
+                    batch -= max(8, batch // 16 // 8 * 8)
             name = torch.cuda.get_device_name(device)
             found = f"the search's limit ({'--quick' if quick else 'full run'})" if batch >= limit \
                 else "the largest multiple of 8 within about 3%"
             results += [Result(BENCHMARK, setting, batch, "images per batch", f"{found}, {name}"),
                         Result(BENCHMARK, setting, speed, "images/s", f"at that batch, {name}"),
                         Result(BENCHMARK, setting, peak, "GiB peak", "torch.cuda.max_memory_allocated at that batch")]
+            print(f"{setting}: batch {batch}, {speed:.1f} images/s, {peak:.1f} GiB peak", flush=True)
         del setup
         gc.collect()
         if device.type == "cuda":
@@ -218,13 +229,18 @@ def _sharded_measurement(out: str, quick: bool) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     distributed.init_distributed(device.type, group_of_one=True)
+    code = 1
     try:
         results = measure(preset_vit_l16_fsdp, device, quick)
         Path(out).write_text(json.dumps([result.__dict__ for result in results]))
+        code = 0
+    except Exception:
+        traceback.print_exc()
     finally:
         distributed.shutdown_distributed()
         sys.stdout.flush()
-        os._exit(0)
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run(quick: bool) -> list[Result]:

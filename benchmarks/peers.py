@@ -258,9 +258,11 @@ def vit_step(settings: Settings, timm_script: Path) -> list[Result]:
         ours = dinov2_fsdp.measure(dinov2_fsdp.QUICK[0], device, compiled_too=False, warmup=1, steps=3)
     results += [Result(BENCHMARK, f"ViT step, this project's: {r.setting}", r.value, r.unit, r.note)
                 for r in ours if r.unit in ("images/s", "% MFU")]
+    size = 224 if device.type == "cuda" else 32  # the model's own size too: timm's DINOv2 ViTs default to 518 px
     for compiled in (False, True) if device.type == "cuda" else (False,):
         command = [sys.executable, str(timm_script), "--bench", "train", "--model", settings.vit_model,
-                   "--img-size", str(224 if device.type == "cuda" else 32), "-b", str(settings.vit_batch),
+                   "--img-size", str(size), "--model-kwargs", f"img_size={size}", "--num-classes", "100",
+                   "-b", str(settings.vit_batch),
                    "--opt", "adamw", "--device", settings.device,
                    *(["--amp", "--amp-dtype", "bfloat16"] if device.type == "cuda" else []),
                    *(["--torchcompile"] if compiled else [])]
@@ -280,10 +282,16 @@ def compare(settings: Settings, timm_dir: Path | None, workdir: Path) -> tuple[l
     train_script = timm_dir / "train.py" if timm_dir else STAND_IN
     bench_script = timm_dir / "benchmark.py" if timm_dir else STAND_IN
     data = write_jpeg_folder(workdir / "data", settings)
-    runs = [run_recipe(settings, data, workdir), run_timm_train(settings, data, workdir, train_script)]
-    if settings.device == "cuda":
-        runs += [run_recipe(settings, data, workdir, compile_model=True),
-                 run_timm_train(settings, data, workdir, train_script, compile_model=True)]
+    pairs = (False, True) if settings.device == "cuda" else (False,)
+    runs = []
+    for compile_model in pairs:
+        for run in (lambda: run_recipe(settings, data, workdir, compile_model),
+                    lambda: run_timm_train(settings, data, workdir, train_script, compile_model)):
+            runs.append(run())
+            print(f"{runs[-1].name}: {runs[-1].steady_images_per_s:.1f} images/s steady, "
+                  f"{runs[-1].seconds_to_fifth_step:.1f} s to step 5, {runs[-1].wall_s:.1f} s in all, data wait "
+                  f"{runs[-1].steady_data_wait_frac:.3f} steady and {runs[-1].epoch_start_data_wait_frac:.3f} at an "
+                  f"epoch's start", flush=True)
     setting = (f"{settings.model} {settings.image_size}px, batch {settings.batch}, {settings.precision}, "
                f"{settings.workers} workers, {settings.images} JPEGs, {settings.epochs} epochs")
     rows = []

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import benchmarks
 from benchmarks import run as harness
@@ -170,3 +171,30 @@ def test_the_memory_benchmark_takes_each_setting_on_the_cpu() -> None:
     for mode in memory.MODES:
         assert sum(f"activation_checkpointing={mode}," in setting for setting in settings) == 2
     assert sum("FSDP2 on one GPU" in setting for setting in settings) == 3
+
+
+def test_a_timed_batch_that_runs_out_of_memory_is_timed_again_a_sixteenth_smaller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search's two steps can fit where the timed ones meet the allocator's fragments (as on an
+    H100, 2026-11-26): the figure is then taken at a smaller batch, and the one reported is that batch."""
+    from types import SimpleNamespace
+
+    from benchmarks import memory
+
+    timed = []
+
+    def images_per_s(setup: object, batch: int, device: object, warmup: int, steps: int) -> tuple[float, float]:
+        timed.append(batch)
+        if batch > 900:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return 100.0, 70.0
+
+    monkeypatch.setattr(memory, "images_per_s", images_per_s)
+    monkeypatch.setattr(memory, "largest_batch", lambda setup, device, limit: 1024)
+    monkeypatch.setattr(memory, "clean_up_after_error", lambda setup, device: None)
+    monkeypatch.setattr(memory.torch.cuda.memory, "_set_allocator_settings", lambda settings: None)
+    monkeypatch.setattr(memory.torch.cuda, "get_device_name", lambda device: "a GPU")
+    results = memory.measure(lambda mode, device, tiny: SimpleNamespace(label="a ViT"), SimpleNamespace(type="cuda"),
+                             quick=False)
+    assert timed == [1024, 960, 904, 848] * len(memory.MODES)
+    assert [r.value for r in results if r.unit == "images per batch"] == [848] * len(memory.MODES)
