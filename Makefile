@@ -67,9 +67,9 @@ CHECKPOINT_ARGS = "$(or $(RUN),$(error RUN=<run dir | checkpoint folder | checkp
 
 eval: $(STAMP) FORCE ## Evaluate a checkpoint (the recipe is the run's): RUN=<run dir> [WHICH=latest|best|<name>] [SPLIT=...] [ARGS=...] [NPROC=n]
 ifeq ($(NPROC),1)
-	$(PY) -m common.evaluate $(CHECKPOINT_ARGS) $(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
+	$(PY) -m common.after_training.evaluate $(CHECKPOINT_ARGS) $(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
 else
-	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m common.evaluate $(CHECKPOINT_ARGS) \
+	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m common.after_training.evaluate $(CHECKPOINT_ARGS) \
 		$(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
 endif
 
@@ -77,7 +77,7 @@ eval-%: eval ## The same as make eval (kept for the recipe-named habit)
 	@:
 
 export: $(STAMP) FORCE ## Weights as safetensors + metadata.json: RUN=<run dir> [WHICH=latest|best|<name>] [OUT=dir] [ARGS=...]
-	$(PY) -m common.export $(CHECKPOINT_ARGS) $(if $(OUT),--out "$(OUT)") $(ARGS)
+	$(PY) -m common.after_training.export $(CHECKPOINT_ARGS) $(if $(OUT),--out "$(OUT)") $(ARGS)
 
 lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
 	$(VENV)/bin/ruff check .

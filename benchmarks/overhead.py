@@ -30,16 +30,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.results import Result
 from common.data.sampler import ResumableDistributedSampler
-from common.divergence import NonfiniteWatch
 from common.entry import compose_config, typed_config
-from common.loggers import RunLogger
 from common.pytorch.determinism import configure_determinism
 from common.pytorch.distributed import init_distributed
 from common.pytorch.metrics import SumMetrics
 from common.pytorch.optim import warmup_cosine, weight_decay_groups
 from common.pytorch.rng import seeded_generator
-from common.run import CheckpointCadence, Decision, StopSignals
-from common.telemetry import StepTelemetry
+from common.records.loggers import RunLogger
+from common.records.telemetry import StepTelemetry
+from common.run.divergence import NonfiniteWatch
+from common.run.training_run import CheckpointCadence, Decision, StopSignals
 from recipes.fashion_mnist import train as recipe
 from recipes.fashion_mnist.config import FashionMNISTConfig
 from recipes.fashion_mnist.data import load_split, normalize

@@ -29,7 +29,7 @@ import torch
 
 import benchmarks
 from benchmarks.results import Result
-from common.provenance import cpu_model
+from common.records.provenance import cpu_model
 
 RESULTS_FILE = Path(__file__).with_name("RESULTS.md")
 NOT_BENCHMARKS = {"run", "results", "gpu_check"}

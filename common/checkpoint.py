@@ -297,7 +297,7 @@ def _os_error_in(error: BaseException) -> OSError | None:
 @dataclass(frozen=True)
 class Attachment:
     """A file that travels in a checkpoint directory beside its state (compiled code:
-    ``common/compile_cache.py``). Its sha256 and size go into the manifest's ``attachments`` with
+    ``common/run/compile_cache.py``). Its sha256 and size go into the manifest's ``attachments`` with
     ``info``, not among the checkpoint's ``files``: a damaged attachment is for its reader to
     ignore (:func:`read_attachment`), never a reason to fall back to an older checkpoint."""
 
@@ -317,7 +317,7 @@ class LoadedCheckpoint:
     step: int
     state: dict[str, Any]
     metrics: dict[str, float]
-    provenance: dict[str, Any] | None = None  # of the run segment that saved it (common/provenance.py)
+    provenance: dict[str, Any] | None = None  # of the run segment that saved it (common/records/provenance.py)
     attachments: dict[str, dict[str, Any]] = field(default_factory=dict)  # the manifest's entry of each
 
 

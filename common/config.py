@@ -76,14 +76,14 @@ class ActivationCheckpointing(str, Enum):
 
 class OutOfMemory(str, Enum):
     """What a run does when CUDA runs out of memory in a step's forward or backward pass
-    (``common/out_of_memory.py``)."""
+    (``common/run/out_of_memory.py``)."""
 
     stop = "stop"  # one line naming the step and a smaller trainer.batch_size to try; exit code 2
     halve = "halve"  # redo the step with half the micro-batch, the global batch kept by accumulation
 
 
 class Nonfinite(str, Enum):
-    """What a run does when its training loss or gradient norm stops being finite (``common/run.py``)."""
+    """What a run does when its training loss or gradient norm stops being finite (``common/run/training_run.py``)."""
 
     stop = "stop"  # every rank stops, exit code 3; the last finite checkpoint stays the latest
     rollback = "rollback"  # back to the last finite checkpoint, skipping the batches up to the bad step
@@ -129,7 +129,7 @@ class TrainerConfig:
     nonfinite: Nonfinite = Nonfinite.stop
     rollback_lr_factor: float = 1.0  # rollback: the LR (and its schedule) is multiplied by this at each rollback
     max_rollbacks: int = 3  # rollback: after this many, a non-finite step stops the run as with stop
-    # Seconds a rank waits in a collective before the run stops as hung (exit 4; common/heartbeat.py).
+    # Seconds a rank waits in a collective before the run stops as hung (exit 4; common/records/heartbeat.py).
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
@@ -198,7 +198,7 @@ class FSDPConfig(FSDPSettings):
 
 @dataclass
 class ProfileConfig:
-    """``torch.profiler`` traces and CUDA memory snapshots on demand (``common/profiling.py``)."""
+    """``torch.profiler`` traces and CUDA memory snapshots on demand (``common/records/profiling.py``)."""
 
     enabled: bool = False  # trace optimizer steps start_step .. start_step + active_steps - 1, every rank
     start_step: int = 10  # the first traced optimizer step (steps count from 1)
@@ -244,7 +244,7 @@ def config_record(cfg: RunConfig) -> dict[str, Any]:
     """``cfg`` as a run records it (``.hydra/config.yaml``, every checkpoint's manifest): plain
     data, with every path inside the run directory written relative to it
     (``${run_dir}/checkpoints``), so that a run moved to another folder or machine still finds
-    its own files when the tools read it back (``common/trained.py``)."""
+    its own files when the tools read it back (``common/after_training/trained.py``)."""
     run_dir = cfg.run_dir.rstrip("/")
 
     def relocatable(value: Any) -> Any:

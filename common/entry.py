@@ -28,17 +28,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from common import heartbeat
 from common.config import RunConfig, config_record, plain_config
 from common.errors import EXIT_HUNG, EXIT_USER_ERROR, Preempted, RunStopped, UserError
-from common.profiling import out_of_memory_error, record_memory_history
 from common.pytorch import distributed
 from common.pytorch.determinism import configure_determinism
 from common.pytorch.distributed import DistInfo
+from common.records import heartbeat
+from common.records.profiling import out_of_memory_error, record_memory_history
 from common.run_lock import RunLockHeld, run_locks
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-CONFIG_FOLDER = ".hydra"  # in the run directory: the config a run used (common/trained.py reads it)
+CONFIG_FOLDER = ".hydra"  # in the run directory: the config a run used (common/after_training/trained.py reads it)
 CONFIG_ERRORS = (HydraException, OmegaConfBaseException, ValueError)  # ValueError: a value no schema type takes
 EXIT_CODE_DIR = "RECIPES_EXIT_CODE_DIR"
 """Set by ``cluster/torchrun.py``: the folder where each worker records why it stopped (a file per rank)."""
@@ -104,7 +104,7 @@ def exit_process(code: int) -> NoReturn:
 
 
 def _end_hung_process() -> NoReturn:
-    """End a process of a hung run (:mod:`common.heartbeat`) at once with :data:`EXIT_HUNG`, recorded
+    """End a process of a hung run (:mod:`common.records.heartbeat`) at once with :data:`EXIT_HUNG`, recorded
     for the launcher. Its process group is broken: tearing it down, or an ``atexit`` handler that
     uses it, could wait for ever. Every committed checkpoint is intact, and the standard streams
     are flushed."""
@@ -218,8 +218,8 @@ def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]
     printed once, and nothing is written. A stop every rank agreed on (a refused lock, a divergence)
     is reported before any rank exits: a launcher that sees one rank end stops the others. Every
     rank then keeps a heartbeat in the run directory, and a collective's timeout ends the run as
-    hung (:func:`common.heartbeat.beating`, :func:`_end_hung_process`). A CUDA out-of-memory error
-    becomes a one-line error (``common/profiling.py``; with ``profile.memory_on_oom`` the allocation
+    hung (:func:`common.records.heartbeat.beating`, :func:`_end_hung_process`). A CUDA out-of-memory error
+    becomes a one-line error (``common/records/profiling.py``; with ``profile.memory_on_oom`` the allocation
     history is recorded from here on, and dumped then)."""
     with distributed_process(cfg, hang_dir=Path(cfg.run_dir) / heartbeat.HANG_DIR, **process_group) as dist_info:
         if cfg.profile.memory_on_oom and not record_memory_history(dist_info.device) and dist_info.is_main:

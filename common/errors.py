@@ -14,7 +14,7 @@ launchers do not requeue or restart it."""
 
 EXIT_HUNG = 4
 """Exit code after a collective waited longer than ``trainer.collective_timeout_s`` (a hang: see
-``common/heartbeat.py``). Not 75: a rank that hangs once (a deadlock in the code, a bad node) may
+``common/records/heartbeat.py``). Not 75: a rank that hangs once (a deadlock in the code, a bad node) may
 hang again, so launchers do not requeue it by themselves."""
 
 EXIT_PREEMPTED = 75

@@ -103,8 +103,8 @@ def test_the_artifact_path_keeps_everything(tmp_path: Path, monkeypatch: pytest.
     from common.entry import compose_config
     from common.pytorch.distributed import DistInfo
     from common.pytorch.metrics import SumMetrics
-    from common.run import TrainingRun
-    from common.steps import StepPlan
+    from common.run.steps import StepPlan
+    from common.run.training_run import TrainingRun
 
     monkeypatch.setenv("CHECKPOINT_ARTIFACT_PATH", str(tmp_path / "artifacts"))
     single = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")

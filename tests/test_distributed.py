@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.divergence import NONE
 from common.errors import UserError
 from common.pytorch import distributed
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import accumulation_steps, scaled_lr
-from common.run import CheckpointCadence, StopSignals
+from common.run.divergence import NONE
+from common.run.training_run import CheckpointCadence, StopSignals
 from tests.conftest import free_port, spawn_ranks
 
 

@@ -17,12 +17,12 @@ import torch
 from common.checkpoint import CheckpointManager, committed_checkpoints
 from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
-from common.loggers import ProgressLines, RunLogger, wandb_run_id
 from common.pytorch.distributed import DistInfo
 from common.pytorch.metrics import SumMetrics
 from common.pytorch.rng import rng_state, seed_everything, set_rng_state
-from common.run import CheckpointCadence, StopSignals, TrainingRun
-from common.steps import EpochTail, StepPlan, compile_static
+from common.records.loggers import ProgressLines, RunLogger, wandb_run_id
+from common.run.steps import EpochTail, StepPlan, compile_static
+from common.run.training_run import CheckpointCadence, StopSignals, TrainingRun
 from tests.conftest import run_recipe, spawn_ranks
 
 

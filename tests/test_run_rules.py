@@ -5,7 +5,7 @@ one ``summary.json`` names), retention (the ``keep_last`` newest steps and the b
 evaluation cadence. One rule decides "better" for all of them (``common.checkpoint.improves``):
 strictly better in the metric's direction, and never NaN.
 
-Each test trains a tiny run of one step per epoch through :class:`~common.run.TrainingRun` as a
+Each test trains a tiny run of one step per epoch through :class:`~common.run.training_run.TrainingRun` as a
 recipe's loop does (``steps``, ``step_done``, ``end_epoch``, ``finish``), evaluating to the next
 made-up value each time the contract asks for an evaluation.
 """
@@ -21,11 +21,11 @@ import torch
 
 from common.checkpoint import CheckpointManager, committed_checkpoints
 from common.data.sampler import ResumableDistributedSampler
-from common.loggers import RunLogger
 from common.pytorch.distributed import DistInfo
 from common.pytorch.metrics import SumMetrics
-from common.run import CheckpointCadence, StopSignals, TrainingRun
-from common.steps import StepPlan
+from common.records.loggers import RunLogger
+from common.run.steps import StepPlan
+from common.run.training_run import CheckpointCadence, StopSignals, TrainingRun
 
 NAN = math.nan
 METRIC = "eval/top1"

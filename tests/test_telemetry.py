@@ -1,4 +1,4 @@
-"""The telemetry of training logs (common/telemetry.py) through the run contract's real loop on a tiny
+"""The telemetry of training logs (common/records/telemetry.py) through the run contract's real loop on a tiny
 model: the peak table, the FLOP count, the gradient norm with and without clipping, the time spent
 waiting for data, and that a step that does not log makes no collective call."""
 
@@ -15,12 +15,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from common.checkpoint import CheckpointManager
 from common.data.sampler import ResumableDistributedSampler
-from common.loggers import RunLogger, read_metrics_file
 from common.pytorch.distributed import DistInfo
 from common.pytorch.metrics import SumMetrics, ratio
-from common.run import CheckpointCadence, StopSignals, TrainingRun
-from common.steps import StepPlan
-from common.telemetry import FlopCount, StepTelemetry, device_peak_flops, peak_tflops
+from common.records.loggers import RunLogger, read_metrics_file
+from common.records.telemetry import FlopCount, StepTelemetry, device_peak_flops, peak_tflops
+from common.run.steps import StepPlan
+from common.run.training_run import CheckpointCadence, StopSignals, TrainingRun
 from tests.conftest import spawn_ranks
 
 SAMPLES, MICRO_BATCH, FEATURES = 48, 4, 8
@@ -227,7 +227,7 @@ def test_no_device_memory_is_reported_on_a_cpu(precision: str) -> None:
 def _sharded_norm_worker(rank: int, folder: Path) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from common.telemetry import as_float, clip_grad_norm
+    from common.records.telemetry import as_float, clip_grad_norm
 
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(FEATURES, 6), torch.nn.Linear(6, 2))

@@ -46,7 +46,7 @@ CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
 MUTATIONS: list[Mutation] = [
     # ---- found by the audit (issue 15) ----------------------------------------------------------
     Mutation(
-        "extended-run-stays-finished", "common/run.py",
+        "extended-run-stays-finished", "common/run/training_run.py",
         "self.progress.finished = False  # a finished run restarted with more epochs or steps goes on", "pass",
         ("tests/test_fashion_mnist.py::test_a_finished_run_extended_on_another_number_of_ranks_continues",),
         "a finished run restarted with more epochs reports its old metrics and writes no final checkpoint",
@@ -80,7 +80,7 @@ MUTATIONS: list[Mutation] = [
         "a crash while pruning leaves a checkpoint directory with files missing, some never cleaned up",
     ),
     Mutation(  # since issue 17 the stop branch of every recipe is this one, in the run contract
-        "stop-branch-deleted", "common/run.py",
+        "stop-branch-deleted", "common/run/training_run.py",
         "                if decision.stop:", "                if False:",
         (f"tests/test_fungitastic.py::{CHAIN}", f"tests/test_dinov2_fsdp.py::{CHAIN}"),
         "SIGTERM/SIGUSR1 are ignored: the run is killed at the end of the grace period and loses its work",
@@ -124,19 +124,19 @@ MUTATIONS: list[Mutation] = [
         "drop path and dropout draw other masks after a resume: the run differs from an uninterrupted one",
     ),
     Mutation(
-        "every-rank-gets-rank-0s-rng", "common/run.py",
+        "every-rank-gets-rank-0s-rng", "common/run/training_run.py",
         "    set_rng_state(rngs[rank] if same_world else rngs[0])", "    set_rng_state(rngs[0])",
         ("tests/test_run.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
         "after a multi-rank resume every rank continues rank 0's random streams instead of its own",
     ),
     Mutation(
-        "grad-scaler-not-restored", "common/run.py",
+        "grad-scaler-not-restored", "common/run/training_run.py",
         '            self.scaler.load_state_dict(state["scaler"])', "            pass",
         ("tests/test_run.py::test_a_resume_brings_back_every_part_of_the_training_state",),
         "an fp16 run resumes with the initial loss scale: skipped steps or overflow after every resume",
     ),
     Mutation(
-        "metric-sums-restored-from-rank-0", "common/run.py",
+        "metric-sums-restored-from-rank-0", "common/run/training_run.py",
         "            self.train_sums.load_state_dict(saved_sums[rank])",
         "            self.train_sums.load_state_dict(saved_sums[0])",
         ("tests/test_run.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
@@ -207,7 +207,7 @@ MUTATIONS: list[Mutation] = [
         "top-1 on 2 ranks leaves out the last val image of an odd count",
     ),
     Mutation(
-        "evaluation-with-each-ranks-batchnorm", "common/evaluate.py",
+        "evaluation-with-each-ranks-batchnorm", "common/after_training/evaluate.py",
         "    broadcast_buffers(model)\n", "",
         (f"tests/test_cifar100_resnet50.py::{CHAIN}",),
         "2-rank EMA metrics after a resume differ from an uninterrupted run's",
@@ -226,7 +226,7 @@ MUTATIONS: list[Mutation] = [
         "a missing data folder ends with a traceback instead of one line",
     ),
     Mutation(
-        "tensorboard-logs-nothing", "common/loggers.py",
+        "tensorboard-logs-nothing", "common/records/loggers.py",
         "                self._writer.add_scalar(name, value, step)", "                pass",
         ("tests/test_loggers.py::test_tensorboard_writes_events",),
         "TensorBoard shows empty runs (the event file exists: SummaryWriter creates it at once)",
@@ -247,7 +247,7 @@ MUTATIONS: list[Mutation] = [
         "on torch 2.11 a stop checkpoint that takes over 30 s is killed mid-save, and the job exits 1, not 75",
     ),
     Mutation(
-        "compiled-batch-dimension-made-dynamic", "common/steps.py",
+        "compiled-batch-dimension-made-dynamic", "common/run/steps.py",
         "    return torch.compile(model, dynamic=False)", "    return torch.compile(model)",
         ("tests/test_run.py::test_compiled_full_batches_keep_their_static_graph_after_the_epochs_short_batch",),
         "after an epoch's short last batch, every compiled step runs a slower dynamic-shape graph",
@@ -280,7 +280,7 @@ MUTATIONS: list[Mutation] = [
     ),
     # ---- what a run records (issue 26) -----------------------------------------------------------
     Mutation(
-        "grad-norm-on-every-step", "common/run.py",
+        "grad-norm-on-every-step", "common/run/training_run.py",
         "        if not self.grad_clip_norm and (self.progress.step + 1) % self.log_every_steps:\n"
         "            return None\n",
         "",
@@ -289,7 +289,7 @@ MUTATIONS: list[Mutation] = [
         "every step pays for a gradient norm only the logging steps use (on FSDP2, an all-reduce more per step)",
     ),
     Mutation(
-        "data-wait-not-timed", "common/telemetry.py",
+        "data-wait-not-timed", "common/records/telemetry.py",
         "            self._data_wait += time.perf_counter() - start\n", "",
         ("tests/test_telemetry.py::test_data_wait_frac_rises_when_the_loader_is_slow",),
         "train/data_wait_frac says 0 while the GPU starves for data",
@@ -302,13 +302,13 @@ MUTATIONS: list[Mutation] = [
     ),
     # ---- issue 26: hangs that say where, compiled code that survives restarts ------------------------
     Mutation(
-        "collective-timeout-is-a-traceback", "common/heartbeat.py",
+        "collective-timeout-is-a-traceback", "common/records/heartbeat.py",
         "            beat.hung(WAITED, error)", "            pass",
         ("tests/test_hangs.py::test_a_rank_stalled_in_a_step_is_named_with_its_host_phase_and_stacks",),
         "a hung run ends in a traceback (exit 1) that names neither the stalled rank nor its phase",
     ),
     Mutation(
-        "compile-cache-not-restored", "common/run.py",
+        "compile-cache-not-restored", "common/run/training_run.py",
         "                self.console(self.compile_cache.restore(self.loaded))", "                pass",
         ("tests/test_compile_cache.py::test_a_resumed_compiled_run_does_not_compile_again",),
         "every requeued or cycled compiled run compiles again from scratch (minutes on a GPU)",
@@ -353,7 +353,7 @@ MUTATIONS: list[Mutation] = [
         "the fine-tune stage trains the whole backbone at the probe's LR",
     ),
     Mutation(
-        "keep-last-ignored", "common/run.py",
+        "keep-last-ignored", "common/run/training_run.py",
         "else checkpoint.keep_last,", "else 2,",
         (f"{KEY}[fashion_mnist-checkpoint.keep_last]",),
         "checkpoint.keep_last keeps 2 checkpoints whatever it says",
@@ -402,7 +402,7 @@ MUTATIONS: list[Mutation] = [
         "an epoch's short last step over-weighs the samples of its short micro-batch",
     ),
     Mutation(
-        "short-step-counted-as-full", "common/steps.py",
+        "short-step-counted-as-full", "common/run/steps.py",
         "samples = min(count * self.micro_batch, samples_left)", "samples = count * self.micro_batch",
         (f"{SHORT_LAST_STEP}[cifar100_resnet50]",),
         "an epoch's short last step is scaled as a full one: its gradient is too small",
@@ -428,7 +428,7 @@ MUTATIONS: list[Mutation] = [
         "with repeated augmentation every epoch uses the same third of the images, in the same order",
     ),
     Mutation(
-        "epoch-not-handed-to-the-sampler", "common/run.py",
+        "epoch-not-handed-to-the-sampler", "common/run/training_run.py",
         "self.sampler.set_epoch(self.progress.epoch)", "self.sampler.set_epoch(0)",
         (f"{DRAWS}test_the_sampler_orders_each_epoch_differently[timm_imagenet]",),
         "every epoch repeats the first one's order and augmentation",
@@ -468,7 +468,7 @@ MUTATIONS: list[Mutation] = [
     ),
     # rules with a reset, and the best
     Mutation(
-        "early-stopping-count-never-restarts", "common/run.py",
+        "early-stopping-count-never-restarts", "common/run/training_run.py",
         "progress.best_value, progress.evals_without_improvement = value, 0", "progress.best_value = value",
         (f"{RULES}test_the_patience_count_restarts_after_every_improvement",),
         "early stopping stops a run that is still improving, counting evaluations from before its last best",
@@ -515,7 +515,7 @@ MUTATIONS: list[Mutation] = [
         "the best checkpoint is deleted once keep_last newer ones exist",
     ),
     Mutation(
-        "evaluation-every-epoch", "common/run.py",
+        "evaluation-every-epoch", "common/run/training_run.py",
         "metrics = self._evaluate(evaluate) if self.progress.epoch % self.eval_every_epochs == 0 else None",
         "metrics = self._evaluate(evaluate)",
         (f"{RULES}test_evaluations_come_every_eval_every_epochs_and_at_the_end",),
@@ -523,7 +523,7 @@ MUTATIONS: list[Mutation] = [
     ),
     # ---- issue 34: after a rollback the loop goes on at the run's step ------------------------------
     Mutation(
-        "restore-rebinds-the-progress", "common/run.py",
+        "restore-rebinds-the-progress", "common/run/training_run.py",
         '        self.progress.load_state_dict(state["progress"])',
         '        self._progress = Progress(**state["progress"])',
         (f"{DIVERGENCE}test_after_a_rollback_train_metrics_are_logged_every_log_every_steps[fashion_mnist]",
@@ -534,21 +534,21 @@ MUTATIONS: list[Mutation] = [
         "a constant LR, dinov2 never fine-tunes",
     ),
     Mutation(
-        "no-checkpoint-of-a-fresh-optimizer", "common/run.py",
+        "no-checkpoint-of-a-fresh-optimizer", "common/run/training_run.py",
         '            self._save_before_next_step = self.nonfinite == "rollback" and self.logger is not None',
         "            pass",
         (f"{DIVERGENCE}test_a_rollback_in_dinov2_fsdps_fine_tune_goes_back_to_the_fine_tune",),
         "a rollback in dinov2's fine-tune loads the probe's checkpoint into the fine-tune's optimizer and crashes",
     ),
     Mutation(
-        "rollback-lr-factor-misses-the-warmup", "common/divergence.py",
+        "rollback-lr-factor-misses-the-warmup", "common/run/divergence.py",
         '_SCHEDULE_LR_ATTRIBUTES = ("base_lrs", "base_values", "warmup_lr_init", "warmup_steps", "lr_min")',
         '_SCHEDULE_LR_ATTRIBUTES = ("base_lrs", "base_values")',
         (f"{DIVERGENCE}test_after_a_rollback_timm_imagenet_takes_the_scheduled_lr_of_each_step_times_the_factor",),
         "a timm run that rolls back in its warmup keeps the LR that diverged until the warmup ends",
     ),
     Mutation(
-        "watch-reads-a-missing-loss", "common/run.py",
+        "watch-reads-a-missing-loss", "common/run/training_run.py",
         "        if loss is None:\n            raise UserError(", "        if False:\n            raise UserError(",
         (f"{DIVERGENCE}test_a_loop_whose_loss_sum_has_another_name_stops_at_its_first_step_with_one_line",),
         "a recipe whose loss sum has another name trains unwatched: a NaN run commits NaN checkpoints",
@@ -560,7 +560,7 @@ MUTATIONS: list[Mutation] = [
         "fungitastic's divergence is seen a step late, in the weights, after the NaN step was applied",
     ),
     Mutation(
-        "provenance-names-an-enclosing-repository", "common/provenance.py",
+        "provenance-names-an-enclosing-repository", "common/records/provenance.py",
         '        outside = [path for path in code if not git("ls-tree", "--name-only", "HEAD", "--", path).strip()]',
         "        outside = []",
         ("tests/test_provenance.py::test_code_untracked_inside_another_repository_names_none_of_its_commits",
@@ -570,46 +570,46 @@ MUTATIONS: list[Mutation] = [
     ),
     # ---- issue 38: memory (trainer.out_of_memory=halve, trainer.activation_checkpointing) ------------
     Mutation(
-        "retry-forgets-the-samples", "common/run.py",
+        "retry-forgets-the-samples", "common/run/training_run.py",
         "plan.groups(self._epoch_source(micro_batches), keep=self._step_start is not None)",
         "plan.groups(self._epoch_source(micro_batches), keep=False)",
         (f"{REDONE}[fashion_mnist]", f"{REDONE}[timm_imagenet]"),
         "a step that ran out of memory is redone on the next batches: some samples are skipped, others seen twice",
     ),
     Mutation(
-        "retry-forgets-the-random-draws", "common/run.py",
+        "retry-forgets-the-random-draws", "common/run/training_run.py",
         "        self._step_start.restore()\n", "",
         (f"{REDONE}[fungitastic]", f"{REDONE}[cifar100_resnet50]"),
         "the redone step draws other dropout and augmentation, counts the failed attempt's loss and BatchNorm batches",
     ),
     Mutation(
-        "retry-of-a-non-memory-error", "common/run.py",
+        "retry-of-a-non-memory-error", "common/run/training_run.py",
         "if not isinstance(error, torch.OutOfMemoryError) or not self._in_forward_backward:",
         "if not self._in_forward_backward:",
         (f"{OOM}test_an_error_that_is_not_memory_is_not_retried",),
         "a bug, a bad input or a NaN check in the loop is retried with smaller micro-batches instead of reported",
     ),
     Mutation(
-        "ranks-never-agree-on-the-micro-batch", "common/run.py",
+        "ranks-never-agree-on-the-micro-batch", "common/run/training_run.py",
         "        if len(set(micro_batches)) <= 1:\n            return\n        size = min(micro_batches)",
         "        if True:\n            return\n        size = min(micro_batches)",
         (f"{TWO_RANKS_AGREE}[fashion_mnist-failing0]",),
         "the ranks that did not run out keep the large micro-batch: the run's records and summary disagree with them",
     ),
     Mutation(
-        "halve-mode-reduces-no-gradients", "common/run.py",
+        "halve-mode-reduces-no-gradients", "common/run/training_run.py",
         "        all_reduce_gradients(self.model)\n", "",
         (f"{TWO_RANKS_AGREE}[fashion_mnist-failing0]",),
         "with trainer.out_of_memory=halve on several ranks each rank trains on its own gradients: they drift apart",
     ),
     Mutation(
-        "fsdp-retry-keeps-its-iteration-state", "common/out_of_memory.py",
+        "fsdp-retry-keeps-its-iteration-state", "common/run/out_of_memory.py",
         "        model.reset_iter_state()\n", "        pass\n",
         (f"{TWO_RANKS_AGREE}[timm_imagenet-fsdp-failing1]",),
         "under FSDP2 the redone step and every later one apply no gradient: the weights stop changing",
     ),
     Mutation(
-        "halved-size-forgotten-on-resume", "common/run.py",
+        "halved-size-forgotten-on-resume", "common/run/training_run.py",
         'if self.out_of_memory == "halve" and progress.micro_batch_found_on == self._device_key:',
         "if False:",
         (f"{OOM}test_the_size_is_kept_on_the_same_device_and_tried_again_on_another",),
@@ -630,7 +630,7 @@ MUTATIONS: list[Mutation] = [
     ),
     # ---- issue 35: what a step costs, and the data that feeds it -------------------------------------
     Mutation(
-        "failed-step-leaves-the-flop-counter-on", "common/run.py",
+        "failed-step-leaves-the-flop-counter-on", "common/run/training_run.py",
         "            if self._flop_count is not None:  # a step that failed: its counter must not stay on in this "
         "process",
         "            if False:",
@@ -638,7 +638,7 @@ MUTATIONS: list[Mutation] = [
         "a run whose first step fails in-process (a search trial, a notebook) leaves torch.compile forced eager",
     ),
     Mutation(
-        "loader-iterator-per-epoch", "common/run.py",
+        "loader-iterator-per-epoch", "common/run/training_run.py",
         "        if self._stream is None or self._stream[0] is not micro_batches or self._stream_at != at:",
         "        if True:",
         ("tests/test_loaders.py::test_the_next_epochs_first_batches_are_asked_for_before_the_epoch_ends",),
@@ -726,5 +726,12 @@ MUTATIONS: list[Mutation] = [
         "                self._streaming._on_demand_bytes = False", "                pass",
         (f"{SOURCES}test_a_remote_is_read_through_a_node_local_cache_bounded_by_its_limit",),
         "reading a remote fills the node's disk with every chunk whatever data.shards.cache_limit says",
+    ),
+    Mutation(
+        "records-import-the-run", "common/records/summary.py",
+        "from common.jsonfiles import write_json",
+        "from common.jsonfiles import write_json\nfrom common.run.steps import StepPlan  # noqa: F401",
+        ("tests/test_layers.py::test_a_module_of_common_imports_only_its_layer_and_those_below[common.records.summary]",),
+        "common/ grows an upward import: the next change makes a cycle, and a layer can no longer be read alone",
     ),
 ]

@@ -324,8 +324,8 @@ class PackedFiles(dict):
     length in ``length``, the rest per sample."""
 
     def split_samples(self, size: int) -> list[PackedFiles]:
-        """Micro-batches of ``size`` samples (``common.steps.split_micro_batch``)."""
-        from common.steps import split_micro_batch
+        """Micro-batches of ``size`` samples (``common.data.loaders.split_micro_batch``)."""
+        from common.data.loaders import split_micro_batch
 
         lengths = self["length"].split(size)
         data = self["data"].split([int(piece.sum()) for piece in lengths])  # host tensors: no device sync

@@ -110,7 +110,7 @@ def make_train_loader(
     generator: torch.Generator | None = None,
 ) -> DataLoader:
     """A training DataLoader whose batches are ``batches``' lists of sampler keys: a plan's
-    :class:`~common.steps.EpochBatches`, which runs on past an epoch's end, so that one iterator
+    :class:`~common.run.steps.EpochBatches`, which runs on past an epoch's end, so that one iterator
     serves the whole run and its workers prepare the next epoch's first batches before this one
     ends. The other arguments are :func:`make_loader`'s."""
     return _loader(dataset, num_workers, pin_memory, collate_fn, generator, batch_sampler=batches)
@@ -131,3 +131,21 @@ def _loader(dataset: Dataset, num_workers: int, pin_memory: bool, collate_fn: Ca
         worker_init_fn=leave_stop_signals_to_the_rank if num_workers > 0 else None,
         **batching,
     )
+
+
+def split_micro_batch(batch: Any, size: int) -> list[Any]:
+    """``batch`` (what a loader or the sampler hands out: tensors, and tuples, lists and dicts of
+    them, along their first dimension) cut into pieces of ``size`` samples, the last one shorter.
+    An object with a ``split_samples(size)`` method cuts itself (packed file bytes)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(size))
+    if hasattr(batch, "split_samples"):
+        return batch.split_samples(size)
+    if isinstance(batch, tuple):
+        return [tuple(fields) for fields in zip(*(split_micro_batch(field, size) for field in batch))]
+    if isinstance(batch, dict):
+        pieces = {key: split_micro_batch(value, size) for key, value in batch.items()}
+        return [type(batch)(zip(pieces, values)) for values in zip(*pieces.values())]
+    if isinstance(batch, list):  # one entry per sample (file paths)
+        return [batch[start : start + size] for start in range(0, len(batch), size)]
+    raise TypeError(f"cannot cut a {type(batch).__name__} into micro-batches")

@@ -151,7 +151,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = COLLECT
     """Join the process group if launched with several processes (see :func:`process_group_backend`).
 
     A collective that waits longer than ``timeout_s`` fails (``trainer.collective_timeout_s``; see
-    ``common/heartbeat.py``); with ``hang_dir`` an NCCL group records its collectives for that case
+    ``common/records/heartbeat.py``); with ``hang_dir`` an NCCL group records its collectives for that case
     (:func:`_enable_flight_recorder`). ``group_of_one`` makes a group for a single process too, so
     that code written for a group (FSDP2) runs on one GPU.
     """
@@ -238,7 +238,7 @@ def on_device(model: torch.nn.Module, device: torch.device, channels_last: bool)
 def data_parallel(model: torch.nn.Module, dist_info: DistInfo, out_of_memory: str = "stop") -> torch.nn.Module:
     """``model`` in DistributedDataParallel across the ranks (itself on one process).
 
-    With ``trainer.out_of_memory=halve`` a rank may redo a step alone (``common/out_of_memory.py``),
+    With ``trainer.out_of_memory=halve`` a rank may redo a step alone (``common/run/out_of_memory.py``),
     so its forward and backward passes must make no collective call: the model is then not wrapped
     (rank 0's weights and buffers are broadcast once, as DDP does when it wraps it) and the run
     reduces the gradients once the step's micro-batches are done (:func:`all_reduce_gradients`)."""

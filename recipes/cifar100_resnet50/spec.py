@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from common.after_training.export import timm_classifiers, timm_loading
 from common.data import cifar100
-from common.export import timm_classifiers, timm_loading
 from common.recipes import RecipeSpec
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config, ModelConfig
 from recipes.cifar100_resnet50.data import MEAN, STD

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.export import timm_classifiers, timm_loading
+from common.after_training.export import timm_classifiers, timm_loading
 from common.recipes import RecipeSpec
 from recipes.timm_imagenet.config import ModelConfig, TimmImageNetConfig
 from recipes.timm_imagenet.data import class_names, resolve

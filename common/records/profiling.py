@@ -6,7 +6,7 @@ S+K-1 with ``torch.profiler`` on every rank: ``<run_dir>/profile/rank<r>-step<S>
 step marked ``ProfilerStep#<step>``. On CUDA, ``profile.memory=true`` also records the
 allocation history of those steps and dumps it as ``rank<r>-step<S>.memory.pickle`` (open it in
 https://pytorch.org/memory_viz). :class:`StepProfiler` is driven by the run contract
-(``common/run.py``) between steps, so recipes need no code for it.
+(``common/run/training_run.py``) between steps, so recipes need no code for it.
 
 ``profile.memory_on_oom=true`` records the allocation history from the start of the process; a
 CUDA out-of-memory error then dumps it (``rank<r>-oom-step<n>.memory.pickle``), and the run ends

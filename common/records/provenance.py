@@ -45,7 +45,7 @@ from common.pytorch.distributed import DistInfo
 
 _PROVENANCE_FILE = "provenance.jsonl"
 _PROVENANCE_DIR = "provenance"
-_CODE_DIR = Path(__file__).resolve().parents[1]  # the checkout whose code runs
+_CODE_DIR = Path(__file__).resolve().parents[2]  # the checkout whose code runs
 _GIT_TIMEOUT_S = 10.0  # for all of a segment's git calls together
 _SLURM_VARIABLES = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
                    "array_task_id": "SLURM_ARRAY_TASK_ID", "restart_count": "SLURM_RESTART_COUNT"}

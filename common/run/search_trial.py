@@ -3,7 +3,7 @@ stops when the study's pruner says so.
 
 ``python -m tools.search`` starts every trial as an ordinary run of the recipe, with
 :data:`_TRIAL_VARIABLE` naming the study's storage, the trial and the objective. The run contract
-(``common/run.py``) asks :meth:`SearchTrial.report` after each evaluation at an epoch's end, so
+(``common/run/training_run.py``) asks :meth:`SearchTrial.report` after each evaluation at an epoch's end, so
 every recipe can be pruned without code of its own; without the variable nothing changes.
 
 Rank 0 alone talks to the study (Optuna's storage: a journal file, or a database); the ranks

@@ -44,7 +44,7 @@ def write_summary(
     **extra: Any,
 ) -> Path:
     """Write ``run_dir/summary.json`` atomically and return its path. ``progress`` is the run's
-    :class:`common.run.Progress`."""
+    :class:`common.run.training_run.Progress`."""
     path = Path(run_dir) / SUMMARY_FILE
     summary = {
         "recipe": recipe,

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from common import heartbeat
+from common.data.loaders import split_micro_batch
 from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
 from common.pytorch.optim import accumulation_steps
+from common.records import heartbeat
 
 
 class EpochTail(str, Enum):
@@ -45,24 +46,6 @@ def compile_static(model: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(model, dynamic=False)
 
 
-def split_micro_batch(batch: Any, size: int) -> list[Any]:
-    """``batch`` (what a loader or the sampler hands out: tensors, and tuples, lists and dicts of
-    them, along their first dimension) cut into pieces of ``size`` samples, the last one shorter.
-    An object with a ``split_samples(size)`` method cuts itself (packed file bytes)."""
-    if isinstance(batch, torch.Tensor):
-        return list(batch.split(size))
-    if hasattr(batch, "split_samples"):
-        return batch.split_samples(size)
-    if isinstance(batch, tuple):
-        return [tuple(fields) for fields in zip(*(split_micro_batch(field, size) for field in batch))]
-    if isinstance(batch, dict):
-        pieces = {key: split_micro_batch(value, size) for key, value in batch.items()}
-        return [type(batch)(zip(pieces, values)) for values in zip(*pieces.values())]
-    if isinstance(batch, list):  # one entry per sample (file paths)
-        return [batch[start : start + size] for start in range(0, len(batch), size)]
-    raise TypeError(f"cannot cut a {type(batch).__name__} into micro-batches")
-
-
 class MicroBatches:
     """The micro-batches of one optimizer step, taken from the epoch's iterator as they are used
     (a DataLoader's batches are not held in memory all at once). ``len()`` is how many there are
@@ -71,7 +54,7 @@ class MicroBatches:
 
     The iterator hands out batches of the plan's ``micro_batch`` samples (``loaded``: the sizes of
     this step's); with a smaller ``size`` (set before the step starts) each is cut into micro-batches of ``size``
-    (``trainer.out_of_memory=halve``, ``common/out_of_memory.py``), and with ``keep`` the batches
+    (``trainer.out_of_memory=halve``, ``common/run/out_of_memory.py``), and with ``keep`` the batches
     taken are kept until the step ends, so :meth:`restart` can hand the same samples out again.
     The loop runs the step inside ``with group:``, which hands an error to ``on_error`` (set by the
     run): when it returns True the error is swallowed and the run hands the step out again; and
@@ -218,7 +201,7 @@ class StepPlan:
 class EpochBatches:
     """The micro-batches of a plan's steps as lists of sampler keys, from the sampler's position to
     the end of the run's last epoch, epoch after epoch: a DataLoader's ``batch_sampler`` whose one
-    iterator the run keeps across epochs (:meth:`common.run.TrainingRun.steps`), so that its
+    iterator the run keeps across epochs (:meth:`common.run.training_run.TrainingRun.steps`), so that its
     workers decode the next epoch's first batches while this one ends and evaluates, where a
     new iterator per epoch would start them only then. Each epoch's micro-batches are exactly
     those the plan's steps take (the tail rule included), so none straddles two epochs; which

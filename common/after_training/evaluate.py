@@ -1,9 +1,9 @@
 """Evaluation: how every recipe's evaluation handles its model, and ``make eval``.
 
     make eval RUN=<run dir | checkpoint folder | checkpoint> [WHICH=latest|best|<name>] [SPLIT=...] [ARGS=...]
-    python -m common.evaluate RUN [--which W] [--split S] [key=value ...]     (also under torchrun)
+    python -m common.after_training.evaluate RUN [--which W] [--split S] [key=value ...]     (also under torchrun)
 
-The recipe comes from the run's own config (``common/trained.py``); its ``SPEC``
+The recipe comes from the run's own config (``common/after_training/trained.py``); its ``SPEC``
 (``recipes/<recipe>/spec.py``) builds the model as training builds it and evaluates the split with
 the evaluation training itself uses. See the README's "After training".
 """
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from common.after_training.trained import LATEST, TrainedRun, load_model, open_run, read_state
 from common.entry import distributed_process, exit_after, fail, user_message
 from common.errors import UserError
 from common.jsonfiles import write_json
@@ -28,7 +29,6 @@ from common.pytorch.fsdp import is_sharded
 from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics
 from common.pytorch.precision import autocast
 from common.recipes import RecipeSpec, load_recipe
-from common.trained import LATEST, TrainedRun, load_model, open_run, read_state
 
 
 @contextlib.contextmanager
@@ -119,7 +119,7 @@ def eval_file_name(split: str, which: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m common.evaluate",
+    parser = argparse.ArgumentParser(prog="python -m common.after_training.evaluate",
                                      description="Evaluate a checkpoint of a run on one split of its data.")
     parser.add_argument("run", help="the run directory, its checkpoint folder, or one checkpoint directory")
     parser.add_argument("--which", default=LATEST, help="latest (default), best, or a checkpoint directory's name")

@@ -3,7 +3,7 @@
 The same config then runs on a smaller GPU (a requeue onto another partition, a mixed ISC queue)
 without hand-tuning, as Composer's ``device_train_microbatch_size="auto"`` does. The data loader
 keeps handing out ``trainer.batch_size`` samples at a time and the run cuts each such batch into
-micro-batches of the size in use (:class:`common.steps.MicroBatches`), so the global batch, the
+micro-batches of the size in use (:class:`common.run.steps.MicroBatches`), so the global batch, the
 step's samples and the plan of steps stay those of the config; only the accumulation is deeper.
 
 What makes the redone step the step a run started with the smaller micro-batch would have taken

@@ -25,12 +25,12 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from common.checkpoint import Attachment, CheckpointError, LoadedCheckpoint, read_attachment
-from common.provenance import cpu_model
+from common.records.provenance import cpu_model
 
 ARCHIVE_FILE = "compile_cache.tar"
 CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 _LOCAL_ONLY = ("locks",)  # Inductor's lock files: this machine's
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def device_name(device: torch.device) -> str:

@@ -8,7 +8,7 @@ model must be there with its shape, and nothing else: the first one that is not 
 error. ``init_skip_head=true`` leaves the classifier head (this recipe's ``head_names``) out
 of both sides, for a source trained on other classes. Only the weights are taken: the optimizer,
 LR schedule, sampler and step start afresh, and a run that resumes its own checkpoint does not
-read the source at all (:meth:`common.run.TrainingRun.resume`).
+read the source at all (:meth:`common.run.training_run.TrainingRun.resume`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from common.after_training.export import is_export, read_export_weights, read_metadata, rename
+from common.after_training.trained import LATEST, checkpoint_weights, open_run
 from common.errors import UserError
-from common.export import is_export, read_export_weights, read_metadata, rename
 from common.recipes import load_recipe
-from common.trained import LATEST, checkpoint_weights, open_run
 
 
 def _source_weights(source: str) -> tuple[dict[str, torch.Tensor], str]:

@@ -1,7 +1,7 @@
 """Export a run's weights for use elsewhere: safetensors files and a small ``metadata.json``.
 
     make export RUN=<run dir | checkpoint folder | checkpoint> [WHICH=latest|best|<name>] [OUT=<folder>] [ARGS=...]
-    python -m common.export RUN [--which W] [--out DIR] [key=value ...]
+    python -m common.after_training.export RUN [--which W] [--out DIR] [key=value ...]
 
 The weights are named as the model's library names them (timm, torchvision and transformers load
 the file as it is), FSDP shards consolidated, the EMA where the recipe keeps one; ``metadata.json``
@@ -26,13 +26,13 @@ import torch
 from omegaconf import OmegaConf
 
 from common import jsonfiles
+from common.after_training.trained import LATEST, TrainedRun, checkpoint_weights, open_run, read_state
 from common.checkpoint import MANIFEST_FILE
 from common.config import plain_config
 from common.entry import CONFIG_ERRORS, config_error_line, exit_after, fail, recipe_schema, user_message
 from common.errors import UserError
 from common.recipes import load_recipe
-from common.summary import state_digest
-from common.trained import LATEST, TrainedRun, checkpoint_weights, open_run, read_state
+from common.records.summary import state_digest
 
 _METADATA_FILE = "metadata.json"
 _WEIGHTS_FILE = "model.safetensors"
@@ -199,7 +199,7 @@ def load_export(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m common.export", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m common.after_training.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", help="the run directory, its checkpoint folder, or one checkpoint directory")
     parser.add_argument("--which", default=LATEST, help="latest (default), best, or a checkpoint directory's name")

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common import heartbeat
 from common.checkpoint import (
     KEEP_ALL,
     CheckpointManager,
@@ -42,13 +41,22 @@ from common.checkpoint import (
     is_artifact_path,
     latest_checkpoint,
 )
-from common.compile_cache import CompileCache
 from common.config import ProfileConfig, RunConfig, config_record
 from common.data.sampler import ResumableDistributedSampler
-from common.divergence import NONE, NonfiniteWatch, all_finite, scale_learning_rate
 from common.errors import EXIT_DIVERGED, Diverged, Preempted, UserError
-from common.loggers import RunLogger
-from common.out_of_memory import (
+from common.pytorch import distributed
+from common.pytorch.distributed import DistInfo, all_reduce_gradients
+from common.pytorch.metrics import SumMetrics
+from common.pytorch.rng import rng_state, set_rng_state
+from common.records import heartbeat
+from common.records.loggers import RunLogger
+from common.records.profiling import StepProfiler, out_of_memory_error
+from common.records.provenance import bit_identity_differences, segment_record
+from common.records.summary import output_lines, state_digest, write_summary
+from common.records.telemetry import FlopCount, StepTelemetry, clip_grad_norm
+from common.run.compile_cache import CompileCache
+from common.run.divergence import NONE, NonfiniteWatch, all_finite, scale_learning_rate
+from common.run.out_of_memory import (
     StepStart,
     check_can_halve,
     communicates_in_forward,
@@ -56,16 +64,8 @@ from common.out_of_memory import (
     drop_gradients,
     halved,
 )
-from common.profiling import StepProfiler, out_of_memory_error
-from common.provenance import bit_identity_differences, segment_record
-from common.pytorch import distributed
-from common.pytorch.distributed import DistInfo, all_reduce_gradients
-from common.pytorch.metrics import SumMetrics
-from common.pytorch.rng import rng_state, set_rng_state
-from common.search_trial import SearchTrial
-from common.steps import EpochBatches, MicroBatches, StepPlan
-from common.summary import output_lines, state_digest, write_summary
-from common.telemetry import FlopCount, StepTelemetry, clip_grad_norm
+from common.run.search_trial import SearchTrial
+from common.run.steps import EpochBatches, MicroBatches, StepPlan
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # Taken over only when some Python code already handles it (submitit's requeue signal by default).
@@ -204,7 +204,7 @@ class CheckpointCadence:
 
     def after_step(self, step: int, nonfinite: Callable[[], int], micro_batch: int) -> Decision:
         """``nonfinite()``: the first non-finite step this rank knows of (NONE: none), read only
-        where the ranks agree (a :meth:`common.divergence.NonfiniteWatch.poll`); ``micro_batch``:
+        where the ranks agree (a :meth:`common.run.divergence.NonfiniteWatch.poll`); ``micro_batch``:
         the micro-batch this rank uses, which the ranks compare there too."""
         by_steps = self.every_steps > 0 and step % self.every_steps == 0
         if step % self.sync_every_steps != 0:
@@ -260,7 +260,7 @@ class TrainingRun:
     hands it over with :meth:`track_optimizer`. ``config`` (the run's config as plain data) is
     written into every checkpoint's manifest; ``model_cfg`` (its ``model`` node) tells
     ``init_from`` how this recipe names its tensors; ``init_from`` and ``init_skip_head``
-    start a new run from another run's weights (``common/init_from.py``; a run that resumes its own
+    start a new run from another run's weights (``common/after_training/init_from.py``; a run that resumes its own
     checkpoint ignores them); ``early_stopping_patience`` ends training after that many evaluations
     without a better ``checkpoint.best_metric`` (the count is in :class:`Progress`). ``search_trial``:
     the search trial this run is, if any: it reports each epoch's evaluation and ends like an early
@@ -269,7 +269,7 @@ class TrainingRun:
     :meth:`log_train`, the provenance check of :meth:`resume`); ``profile`` the ``profile`` node.
     ``compile_cache`` (with ``trainer.compile``) is saved with every checkpoint and restored on resume.
     ``out_of_memory`` is ``trainer.out_of_memory`` (``halve``: :meth:`steps` hands a step that ran out of
-    memory out again with half the micro-batch, ``common/out_of_memory.py``).
+    memory out again with half the micro-batch, ``common/run/out_of_memory.py``).
     """
 
     def __init__(
@@ -474,7 +474,7 @@ class TrainingRun:
         progress.micro_batch_size, progress.micro_batch_found_on = 0, ""
 
     def _record_provenance(self) -> None:
-        """Record this segment (``common/provenance.py``; collective). With ``trainer.deterministic``, say
+        """Record this segment (``common/records/provenance.py``; collective). With ``trainer.deterministic``, say
         in a line when the checkpoint it resumes was written with another GPU, driver or software, since
         the continuation cannot then be bit-identical."""
         resumed_from = {"checkpoint": self.loaded.path.name, "step": self.loaded.step} if self.loaded else None
@@ -498,7 +498,7 @@ class TrainingRun:
     def _initialize_from(self, source: str) -> str:
         """Load the weights of ``source`` into the model (and into extra state that is a copy of
         it, such as an EMA, which then starts from the same weights); say what was loaded."""
-        from common.init_from import initialize_model
+        from common.after_training.init_from import initialize_model
 
         description = initialize_model(self.model, self.model_cfg, self.recipe, source, self.init_skip_head,
                                        sharded=self.sharded)
@@ -585,7 +585,7 @@ class TrainingRun:
                 or self.progress.stopped_early or self.progress.pruned is not None)
 
     def steps(self, micro_batches: Iterable[Any]) -> Iterator[MicroBatches]:
-        """The optimizer steps left in this epoch, each the :class:`~common.steps.MicroBatches` of one
+        """The optimizer steps left in this epoch, each the :class:`~common.run.steps.MicroBatches` of one
         step (``micro_batches``: the rest of the epoch, as the sampler hands it out: index tensors or
         a DataLoader). After each step (which must call :meth:`step_done`) it saves when the cadence
         says so; after SIGTERM/SIGUSR1 it saves and raises :class:`~common.errors.Preempted`. It
@@ -645,7 +645,7 @@ class TrainingRun:
     def _epoch_source(self, micro_batches: Iterable[Any]) -> Iterator[Any]:
         """This epoch's micro-batches, timed: a new iterator over ``micro_batches`` (index tensors, or
         a DataLoader read an epoch at a time); for a DataLoader over the plan's
-        :class:`~common.steps.EpochBatches`, the run's one iterator over it, kept from epoch to epoch
+        :class:`~common.run.steps.EpochBatches`, the run's one iterator over it, kept from epoch to epoch
         while the sampler is where it left off (a resume or a rollback starts a new one)."""
         if not isinstance(getattr(micro_batches, "batch_sampler", None), EpochBatches):
             return self.telemetry.batches(micro_batches)
@@ -654,7 +654,7 @@ class TrainingRun:
             self._stream = (micro_batches, self.telemetry.batches(micro_batches))
         return self._stream[1]
 
-    # ---- trainer.out_of_memory=halve (common/out_of_memory.py) ----------------------------------
+    # ---- trainer.out_of_memory=halve (common/run/out_of_memory.py) ----------------------------------
 
     def _out_of_memory(self, error: BaseException) -> bool:
         """A step's ``with group:`` ended in ``error``: True (swallow it, the step is handed out again
@@ -734,7 +734,7 @@ class TrainingRun:
 
     def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
         """The step's total gradient norm before clipping, with the gradients clipped to
-        ``trainer.grad_clip_norm`` when that is set (:func:`common.telemetry.clip_grad_norm`; under
+        ``trainer.grad_clip_norm`` when that is set (:func:`common.records.telemetry.clip_grad_norm`; under
         fp16 they are unscaled first). Computed every step when clipping, else only on a step that
         logs (``train/grad_norm``): None on the others, which pay nothing. No host sync. Call it
         between the backward passes and the optimizer step, and hand its value to :meth:`step_done`."""
@@ -776,7 +776,7 @@ class TrainingRun:
 
     def log_train(self, metrics: dict[str, float]) -> None:
         """Log training metrics at this step with the run's telemetry since the previous log
-        (``common/telemetry.py``: ``train/images_per_s``, ``train/step_s``, ``train/data_wait_frac``,
+        (``common/records/telemetry.py``: ``train/images_per_s``, ``train/step_s``, ``train/data_wait_frac``,
         ``train/grad_norm``, ``train/max_mem_gib``, ``train/mfu``, the slowest rank); show them on the
         progress bar, or as a progress line where there is no terminal. Collective on several ranks."""
         metrics = {**metrics, **self.telemetry.report(self.dist_info.world_size, self.progress.flops_per_sample,
@@ -850,7 +850,7 @@ class TrainingRun:
                          f"{progress.evals_without_improvement} evaluation(s); stopping after epoch {progress.epoch} "
                          f"(step {progress.step})")
 
-    # ---- a trial of a hyperparameter search (common/search_trial.py) ----------------------------
+    # ---- a trial of a hyperparameter search (common/run/search_trial.py) ----------------------------
 
     def _report_to_search(self, metrics: dict[str, float]) -> None:
         """Report this evaluation to the search this run is a trial of, if any; when its pruner says

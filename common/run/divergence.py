@@ -3,10 +3,10 @@
 A run whose loss goes NaN would otherwise train on to the end of its allocation and commit NaN
 checkpoints as the latest, which the ISC ships and every later cycle resumes from (bit-exactly,
 so the divergence replays). :class:`NonfiniteWatch` keeps, on the training device, the first
-step whose loss or gradient norm was not finite; the run contract (``common/run.py``) reads it
+step whose loss or gradient norm was not finite; the run contract (``common/run/training_run.py``) reads it
 where the ranks already agree on the checkpoint cadence, without waiting for the device, and
 exactly before every save, which waits for the device anyway. What it then does (stop, or roll
-back to the last finite checkpoint) is in :meth:`common.run.TrainingRun.steps`.
+back to the last finite checkpoint) is in :meth:`common.run.training_run.TrainingRun.steps`.
 """
 
 from __future__ import annotations
