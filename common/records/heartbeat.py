@@ -1,12 +1,12 @@
 """Where every rank is, and a hang that says where: heartbeats, stacks and one line.
 
-Every rank keeps ``<run_dir>/heartbeat/rank<N>.json`` (host, pid, last step, phase, since when),
-rewritten by a background thread from phase marks that cost one attribute write. A collective that
-waits longer than ``trainer.collective_timeout_s`` stops the run as hung: the waiting ranks and the
-stalled ones append their stacks under ``hang/``, rank 0 prints one line naming the ranks that did
-not arrive (:func:`hang_line`) and every rank exits with :data:`~common.errors.EXIT_HUNG` without
-tearing down the broken process group. The sequence, NCCL's flight recorder and the launcher's
-part: README "Heartbeats, hangs and compiled code".
+- Every rank keeps ``<run_dir>/heartbeat/rank<N>.json`` (host, pid, last step, phase, since when),
+  rewritten by a background thread; marking a phase costs one attribute write.
+- A collective that waits longer than ``trainer.collective_timeout_s`` stops the run as hung: ranks
+  append their stacks under ``hang/``, rank 0 prints :func:`hang_line` and every rank exits with
+  :data:`~common.errors.EXIT_HUNG` without tearing down the broken process group.
+- The whole sequence, NCCL's flight recorder and the launcher's part: README "Heartbeats, hangs and
+  compiled code".
 """
 
 from __future__ import annotations
@@ -93,8 +93,10 @@ def is_timeout(error: BaseException) -> bool:
 
 
 def read_heartbeats(run_dir: str | Path, world_size: int | None = None) -> list[dict[str, Any] | None]:
-    """Each rank's heartbeat record (None where there is none, or it cannot be read); without
-    ``world_size``, that of the records found."""
+    """Each rank's heartbeat record, None where missing or unreadable.
+
+    - ``world_size``: how many ranks to read; by default the one the records found name.
+    """
     folder = Path(run_dir) / HEARTBEAT_DIR
 
     def read(path: Path) -> dict[str, Any] | None:
@@ -110,8 +112,10 @@ def read_heartbeats(run_dir: str | Path, world_size: int | None = None) -> list[
 
 
 def clear(run_dir: str | Path) -> None:
-    """Forget an earlier launch's heartbeats, hang declaration and report (rank 0, holding the run's
-    lock, before any rank of this launch starts its heartbeat). Stacks stay: a new hang appends."""
+    """Forget an earlier launch's heartbeats, hang declaration and report; stacks stay (a new hang appends).
+
+    Called by rank 0, holding the run's lock, before any rank of this launch starts its heartbeat.
+    """
     for path in (Path(run_dir) / HEARTBEAT_DIR).glob("rank*.json"):
         path.unlink(missing_ok=True)
     for name in (_DECLARED_FILE, REPORT_FILE):
@@ -127,9 +131,11 @@ def launcher_hang_line(run_dir: str | Path) -> str:
 
 def hang_line(beats: list[dict[str, Any] | None], timeout_s: float, run_dir: str | Path,
               now: float | None = None) -> str:
-    """The line a hang is reported with: the ranks that did not arrive (no ``waited`` heartbeat),
-    each with its host, pid, last phase and step, and how old its heartbeat is when it looks dead
-    (by this host's clock: the hosts' clocks must agree to a few seconds for that part)."""
+    """The one line a hang is reported with: the ranks that did not arrive (no ``waited`` heartbeat).
+
+    - Each missing rank is named with its host, pid, last phase and step.
+    - "silent for N s" is judged by this host's clock: it needs the hosts' clocks to agree to a few seconds.
+    """
     now = time.time() if now is None else now
     missing = []
     for rank, beat in enumerate(beats):
@@ -273,9 +279,11 @@ class Heartbeat:
 @contextlib.contextmanager
 def beating(run_dir: str | Path, rank: int, world_size: int, timeout_s: float,
             end_process: Callable[[], NoReturn]) -> Iterator[Heartbeat]:
-    """This rank's :class:`Heartbeat` for the block; a collective's timeout raised in it (or any
-    error once a hang is declared: the broken group fails the other ranks' collectives too) ends
-    the process as a hang."""
+    """This rank's :class:`Heartbeat` for the block.
+
+    - Ends the process as a hang on a collective's timeout raised in the block, or on any error once a
+      hang is declared (the broken group fails the other ranks' collectives too).
+    """
     global _current
     beat = Heartbeat(run_dir, rank, world_size, timeout_s, end_process)
     beat.start()

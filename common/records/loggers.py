@@ -1,12 +1,10 @@
 """Rank-0 output: console lines, a progress bar, ``metrics.jsonl``, and TensorBoard or W&B.
 
-W&B is imported only when chosen and runs offline unless ``wandb_mode`` says otherwise, so a
-job on a node without internet never blocks on it; its run id comes from the run directory, so
-a restarted job continues its own W&B run and the jobs of a sweep each have one. Whatever the
-backend, every logged value is also appended to ``metrics.jsonl`` in the log directory: one JSON
-object per line with the step, which ``make compare`` and plain scripts read without TensorBoard.
-The progress bar is drawn only where stdout is a terminal; in a SLURM or ISC log file each
-report of the training metrics is a plain line instead.
+- Every logged value also goes to ``metrics.jsonl`` (one JSON object per line, with the step), which
+  ``make compare`` and plain scripts read without TensorBoard.
+- W&B is imported only when chosen and runs offline by default, so a node without internet never
+  blocks on it; its run id comes from the run directory, so a restarted job continues its own run.
+- The progress bar is drawn only on a terminal; in a SLURM or ISC log each report is a plain line.
 """
 
 from __future__ import annotations
@@ -44,9 +42,8 @@ def read_metrics_file(path: Path) -> list[dict[str, Any]]:
 class MetricsFile:
     """``metrics.jsonl``: ``{"step": s, "time": unix seconds, "<name>": value, ...}`` per line.
 
-    A resumed run starts from its checkpoint's step, so lines a killed segment wrote after that
-    checkpoint are dropped when the file is opened (TensorBoard's ``purge_step`` does the same
-    for event files); the run then logs those steps again, once.
+    - Opening it drops lines after ``resume_step`` (written by a killed segment after its last
+      checkpoint), as TensorBoard's ``purge_step`` does, so each step is logged once.
     """
 
     def __init__(self, path: Path, resume_step: int) -> None:
@@ -68,16 +65,17 @@ class MetricsFile:
 
 
 def wandb_run_id(run_dir: str | Path) -> str:
-    """The W&B run id of a run directory: its last part and a hash of its absolute path (W&B ids
-    take letters, digits, ``-`` and ``_``, at most 64), the same for every restart of the run."""
+    """The W&B run id of a run directory, the same for every restart of the run.
+
+    Its last part and a hash of its absolute path (W&B ids take letters, digits, ``-`` and ``_``, at most 64).
+    """
     path = os.path.abspath(run_dir)
     name = re.sub(r"[^A-Za-z0-9_-]+", "-", Path(path).name)[:40].strip("-") or "run"
     return f"{name}-{hashlib.sha256(path.encode()).hexdigest()[:12]}"
 
 
 class ProgressLines:
-    """The progress bar where stdout is not a terminal: a plain line at each report (every
-    ``trainer.log_every_steps`` steps), which a log file keeps readable."""
+    """The progress bar where stdout is not a terminal: one plain line per report, readable in a log file."""
 
     def __init__(self, total: int, initial: int, description: str) -> None:
         self.total = total
@@ -96,6 +94,13 @@ class ProgressLines:
 
 
 class RunLogger:
+    """Where a run's metrics and console lines go; everything but rank 0 (``is_main``) stays silent.
+
+    - ``backend``: ``tensorboard``, ``wandb`` or ``none`` (``ValueError`` otherwise); ``metrics.jsonl``
+      is written in ``log_dir`` whatever it is.
+    - ``resume_step``: the checkpoint's step; later records from a killed segment are dropped.
+    """
+
     def __init__(
         self,
         backend: str,
@@ -170,8 +175,7 @@ class RunLogger:
             self._wandb.log(dict(metrics), step=step)
 
     def progress(self, total: int, initial: int, description: str) -> tqdm | ProgressLines:
-        """A progress bar on rank 0 (a silent one elsewhere or when disabled); progress lines
-        where stdout is not a terminal."""
+        """A progress bar on rank 0 (silent elsewhere or when disabled); plain lines when stdout is no terminal."""
         if self.progress_bar and not sys.stdout.isatty():
             return ProgressLines(total, initial, description)
         return tqdm(

@@ -1,18 +1,14 @@
 """``profile.*``: what the steps did, on demand, and what filled the GPU when it ran out of memory.
 
-``profile.enabled=true profile.start_step=S profile.active_steps=K`` traces optimizer steps S to
-S+K-1 with ``torch.profiler`` on every rank: ``<run_dir>/profile/rank<r>-step<S>.pt.trace.json.gz``
-(Chrome trace JSON, gzipped: open it in https://ui.perfetto.dev or TensorBoard's profiler), each
-step marked ``ProfilerStep#<step>``. On CUDA, ``profile.memory=true`` also records the
-allocation history of those steps and dumps it as ``rank<r>-step<S>.memory.pickle`` (open it in
-https://pytorch.org/memory_viz). :class:`StepProfiler` is driven by the run contract
-(``common/run/training_run.py``) between steps, so recipes need no code for it.
-
-``profile.memory_on_oom=true`` records the allocation history from the start of the process; a
-CUDA out-of-memory error then dumps it (``rank<r>-oom-step<n>.memory.pickle``), and the run ends
-with one line naming the snapshot and the step, and the batch settings to try
-(:func:`out_of_memory_error`). Recording costs some speed and host memory (the last
-:data:`_MEMORY_HISTORY_ENTRIES` allocations, with their Python stacks).
+- ``profile.enabled=true profile.start_step=S profile.active_steps=K``: ``torch.profiler`` traces
+  optimizer steps S to S+K-1 on every rank into ``<run_dir>/profile/rank<r>-step<S>.pt.trace.json.gz``
+  (open in https://ui.perfetto.dev or TensorBoard), each step marked ``ProfilerStep#<step>``.
+- ``profile.memory=true`` (CUDA): also the allocation history of those steps,
+  ``rank<r>-step<S>.memory.pickle`` (open in https://pytorch.org/memory_viz).
+- ``profile.memory_on_oom=true`` (CUDA): records from the process's start and dumps
+  ``rank<r>-oom-step<n>.memory.pickle`` on an out-of-memory error (:func:`out_of_memory_error`);
+  costs some speed and host memory (the last :data:`_MEMORY_HISTORY_ENTRIES` allocations, with stacks).
+- The run contract (``common/run/training_run.py``) drives :class:`StepProfiler`; recipes need no code.
 """
 
 from __future__ import annotations
@@ -62,9 +58,12 @@ def _dump_memory_snapshot(path: Path) -> Path:
 
 
 class StepProfiler:
-    """``profile.enabled`` and ``profile.memory`` for one run (see the module): call
-    :meth:`step_starting` before each optimizer step takes its first micro-batch,
-    :meth:`step_finished` after it, and :meth:`close` at the end."""
+    """``profile.enabled`` and ``profile.memory`` for one run (see the module).
+
+    - Call :meth:`step_starting` before a step takes its first micro-batch, :meth:`step_finished`
+      after it, and :meth:`close` at the end.
+    - Raises ``UserError`` when ``profile.start_step`` or ``profile.active_steps`` is below 1.
+    """
 
     def __init__(self, cfg: ProfileConfig, run_dir: str | Path, dist_info: DistInfo,
                  console: Callable[[str], None], keep_memory_history: bool = False) -> None:
@@ -118,8 +117,7 @@ class StepProfiler:
             self.close()
 
     def close(self) -> None:
-        """Write what a trace window recorded (at its last step, or at the end of a run that stops
-        inside it)."""
+        """Write what the trace window recorded: at its last step, or when a run stops inside it."""
         if self._step_range is not None:
             self._step_range.__exit__(None, None, None)
             self._step_range = None
@@ -143,19 +141,24 @@ class StepProfiler:
 
 
 def smaller_batch(batch_size: int, per_rank_global: int) -> int | None:
-    """The largest micro-batch below ``batch_size`` that divides ``per_rank_global`` (the global
-    batch per rank), so accumulation keeps the global batch; None when there is none."""
+    """The largest micro-batch below ``batch_size`` that divides ``per_rank_global``, or None.
+
+    Dividing the global batch per rank lets gradient accumulation keep the global batch.
+    """
     return next((size for size in range(batch_size - 1, 0, -1) if per_rank_global % size == 0), None)
 
 
 def out_of_memory_error(error: torch.OutOfMemoryError, run_dir: str | Path, dist_info: DistInfo,
                         batch_size: int, global_batch_size: int, out_of_memory: str = "stop",
                         micro_batch: int | None = None) -> UserError:
-    """The one-line error an out-of-memory error in the loop becomes: where it happened, the
-    memory snapshot (dumped now when ``profile.memory_on_oom`` recorded the history), and what to
-    try: a smaller ``trainer.batch_size`` with ``trainer.global_batch_size`` kept, or
-    ``trainer.out_of_memory=halve``. Under ``halve`` (``out_of_memory``), ``micro_batch`` is the
-    micro-batch the run had halved down to, when the error came in a step's forward or backward pass."""
+    """The one-line ``UserError`` an out-of-memory error in the loop becomes.
+
+    - Says where it happened, names the memory snapshot (dumped now if ``profile.memory_on_oom``
+      recorded the history) and what to try: a smaller ``trainer.batch_size`` with the global batch
+      kept, or ``trainer.out_of_memory=halve``.
+    - ``out_of_memory``: the ``trainer.out_of_memory`` setting; under ``halve``, ``micro_batch`` is the
+      micro-batch the run had halved down to when the error came in a forward or backward pass.
+    """
     global_batch = global_batch_size or batch_size * dist_info.world_size
     step = _current.step_in_progress if _current is not None else None
     where = f"in optimizer step {step}" if step is not None else "outside a training step"

@@ -1,22 +1,17 @@
 """What each segment of a run ran: the code, the command, the software and the machines.
 
-A run that is pre-empted and resumed is trained by several processes (jobs, ISC cycles), each a
-*segment*, possibly on other machines or another checkout. Every start and every resume appends
-one JSON record to ``<run_dir>/provenance.jsonl`` (written by rank 0, with what every rank
-reported: its host), and every checkpoint the segment saves holds the same record in its
-manifest, so a checkpoint folder on its own says what wrote it. The record holds the git commit
-and whether the checkout was dirty (then the diff is saved once per segment as
-``provenance/segment-<n>.diff``), the command line and Hydra overrides, the Python, PyTorch, CUDA,
-cuDNN and NCCL versions, the GPU model, count and driver, the CPU model, every rank's host, the
-SLURM job ids or the ISC's experiment variables, the start time, and the hash of the installed
-packages (``pip freeze``'s list, saved once per distinct environment as
-``provenance/env-<hash>.txt``).
+A *segment* is one process of a run that is pre-empted and resumed (a job, an ISC cycle), possibly on
+other machines or another checkout.
 
-Git must never fail or hang a run: every call has a deadline, and a missing ``git``, a folder
-that is not a checkout (a copied recipe) or a refusal (a checkout owned by another user) leaves
-``git_commit`` null with a ``git_note`` saying why. So does code that lies untracked inside some
-other repository (a recipe copied into a user's repository, a vendored folder): that repository's
-commit does not hold the code that ran, so it is not named.
+- Every start and resume appends one JSON record to ``<run_dir>/provenance.jsonl`` (rank 0, with
+  every rank's host); every checkpoint of the segment holds the same record in its manifest.
+- The record: git commit and dirtiness (the diff saved as ``provenance/segment-<n>.diff``), command
+  line and Hydra overrides, Python/PyTorch/CUDA/cuDNN/NCCL versions, GPU model, count and driver, CPU
+  model, hosts, SLURM or ISC variables, start time, and the hash of ``pip freeze``'s list (saved once
+  per environment as ``provenance/env-<hash>.txt``).
+- Git never fails or hangs a run: calls have a deadline; no ``git``, no checkout, a refusal, or code
+  untracked inside another repository (whose commit does not hold it) leave ``git_commit`` null
+  with a ``git_note`` saying why.
 """
 
 from __future__ import annotations
@@ -113,9 +108,11 @@ def git_state(folder: Path = _CODE_DIR, code: tuple[str, ...] = (), timeout_s: f
 
 @functools.cache
 def installed_packages() -> str:
-    """``pip freeze``'s list (``name==version`` per line, sorted), read with ``importlib.metadata``
-    in this process: the same packages, without starting pip (about half a second). Read once per
-    process: what it imports from was installed before it started."""
+    """``pip freeze``'s list (``name==version`` per line, sorted), without starting pip.
+
+    - Read with ``importlib.metadata`` in this process (timings: benchmarks/RESULTS.md, issue 36 section).
+    - Cached per process: what the process imports from was installed before it started.
+    """
     found: dict[str, str] = {}
     for dist in importlib.metadata.distributions():  # in sys.path order: the one Python imports comes first
         name, version = _name_and_version(dist)
@@ -125,8 +122,10 @@ def installed_packages() -> str:
 
 
 def _name_and_version(dist: importlib.metadata.Distribution) -> tuple[str | None, str | None]:
-    """A distribution's Name and Version, read from its metadata's header lines alone: ``dist.metadata``
-    parses the whole file, long description included, which costs 60 ms for a few hundred packages."""
+    """A distribution's Name and Version from its metadata's header lines alone.
+
+    ``dist.metadata`` would parse the whole file, long description included (cost: benchmarks/RESULTS.md).
+    """
     # The files importlib.metadata reads, in its order ("": an old egg-info that is itself the file).
     text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or dist.read_text("") or ""
     fields: dict[str, str] = {}
@@ -149,8 +148,7 @@ def cpu_model() -> str | None:
 
 
 def driver_version() -> str | None:
-    """The NVIDIA driver's version, from the kernel module (no nvidia-smi needed), else NVML; None
-    when neither says."""
+    """The NVIDIA driver's version from the kernel module (no nvidia-smi needed), else NVML, else None."""
     try:
         text = Path("/proc/driver/nvidia/version").read_text()
         match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
@@ -247,10 +245,12 @@ def append_record(run_dir: str | Path, record: dict[str, Any]) -> Path:
 
 def segment_record(run_dir: str | Path, dist_info: DistInfo, resumed_from: dict[str, Any] | None,
                    recipe: str) -> dict[str, Any] | None:
-    """Record this segment of a run of ``recipe`` (see the module): on rank 0, append it to
-    ``provenance.jsonl``, save the diff and the package list beside it, and return it; None on the
-    other ranks. Collective: every rank reports its host (after rank 0's git calls, so the ranks
-    leave together)."""
+    """Record this segment of a run of ``recipe`` (see the module).
+
+    - Rank 0 appends the record to ``provenance.jsonl``, saves the diff and package list, and returns it;
+      other ranks return None.
+    - Collective: every rank must call it (each reports its host after rank 0's git calls).
+    """
     record = _this_segment(Path(run_dir), dist_info, resumed_from, recipe) if dist_info.is_main else None
     hosts = distributed.all_gather_object(socket.gethostname())
     if record is None:
@@ -295,9 +295,11 @@ def _this_segment(run_dir: Path, dist_info: DistInfo, resumed_from: dict[str, An
 
 
 def bit_identity_differences(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
-    """What differs, of what a bit-identical resume needs (:data:`_BIT_IDENTITY_FIELDS`), between
-    the segment that wrote a checkpoint (``saved``; None: a checkpoint older than these records)
-    and this one: ``["gpu NVIDIA A100-SXM4-80GB (now NVIDIA H100 80GB HBM3)", ...]``."""
+    """What a bit-identical resume needs (:data:`_BIT_IDENTITY_FIELDS`) that differs from the checkpoint's segment.
+
+    - ``saved``: the record of the segment that wrote the checkpoint; None (an older checkpoint) gives ``[]``.
+    - Returns lines such as ``"gpu NVIDIA A100-SXM4-80GB (now NVIDIA H100 80GB HBM3)"``.
+    """
     if not saved:
         return []
     return [f"{name} {saved.get(name)} (now {current.get(name)})" for name in _BIT_IDENTITY_FIELDS

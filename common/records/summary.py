@@ -1,8 +1,7 @@
 """``summary.json``: what a finished run reports, and the digest that says two runs ended the same.
 
-``model_digest`` is a sha256 over the final model state: tensors in sorted key order, each with
-its key, dtype, shape and raw bytes. Two runs with the same config and seed on the same machine
-give the same digest, whether or not one of them was interrupted and resumed.
+- ``model_digest`` (:func:`state_digest`): the same for two runs with the same config and seed on the
+  same machine, whether or not one was interrupted and resumed.
 """
 
 from __future__ import annotations
@@ -43,8 +42,11 @@ def write_summary(
     model_digest: str,
     **extra: Any,
 ) -> Path:
-    """Write ``run_dir/summary.json`` atomically and return its path. ``progress`` is the run's
-    :class:`common.run.training_run.Progress`."""
+    """Write ``run_dir/summary.json`` atomically and return its path.
+
+    - ``progress``: the run's :class:`common.run.training_run.Progress` (steps, epochs, time, resumes).
+    - ``extra``: further top-level fields.
+    """
     path = Path(run_dir) / SUMMARY_FILE
     summary = {
         "recipe": recipe,

@@ -1,10 +1,9 @@
-"""What every training log reports beside the recipe's own metrics, measured by the run contract:
-``train/step_s``, ``train/data_wait_frac``, ``train/grad_norm``, ``train/max_mem_gib``,
-``train/mfu`` and the slowest rank (README "What a run records" says what each means).
+"""What every training log reports beside the recipe's metrics: step time, data wait, grad norm, memory, MFU.
 
-Everything is timed with the host's clock and added up between logs; values are read from the
-device and gathered across ranks only in :meth:`StepTelemetry.report`, on logging steps, where the
-loop already waits for the device. Other steps make no host sync and no collective call.
+- Metrics: ``train/step_s``, ``train/data_wait_frac``, ``train/grad_norm``, ``train/max_mem_gib``,
+  ``train/mfu`` and the slowest rank (README "What a run records" says what each means).
+- Timed with the host's clock between logs; the device is read and ranks gathered only in
+  :meth:`StepTelemetry.report`, on logging steps. Other steps make no host sync and no collective.
 """
 
 from __future__ import annotations
@@ -36,8 +35,10 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 
 
 def peak_tflops(device_name: str, precision: str, tf32: bool) -> float | None:
-    """The dense peak of the GPU named ``device_name`` for training in ``precision`` (``fp32``,
-    ``bf16`` or ``fp16``; fp32 matmuls on TF32 tensor cores when ``tf32``); None when unknown."""
+    """The dense peak TFLOP/s of the GPU named ``device_name``, or None when unknown.
+
+    - ``precision``: ``fp32``, ``bf16`` or ``fp16``; ``tf32``: fp32 matmuls run on TF32 tensor cores.
+    """
     kind = "bf16" if precision in ("bf16", "fp16") else "tf32" if tf32 else "fp32"
     return next((peaks[kind] for pattern, peaks in PEAK_TFLOPS if re.search(pattern, device_name)), None)
 
@@ -51,10 +52,11 @@ def device_peak_flops(device: torch.device, precision: str) -> float | None:
 
 
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The total (2-)norm of the parameters' gradients before clipping; with ``max_norm > 0`` the
-    gradients are clipped to it (``torch.nn.utils.clip_grad_norm_``). Gradients that are
-    DTensors (FSDP2's shards) give the whole model's norm, as a DTensor (:func:`as_float` reads
-    it). No host sync."""
+    """The total 2-norm of the gradients before clipping; clips them to ``max_norm`` when it is > 0.
+
+    - DTensor gradients (FSDP2's shards) give the whole model's norm as a DTensor (read it with :func:`as_float`).
+    - No host sync.
+    """
     parameters = list(parameters)
     if max_norm > 0:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
@@ -69,11 +71,12 @@ def as_float(value: torch.Tensor) -> float:
 
 
 class FlopCount:
-    """The FLOPs the loop runs between :meth:`start` and :meth:`stop` (matmuls, convolutions,
-    attention; forward and backward), counted by ``torch.utils.flop_counter.FlopCounterMode``.
-    A ``torch.compile``d module runs eager while it counts (``set_stance("force_eager")``): compiled
-    under the counter's global module hooks, its graphs would differ from every later step's, and
-    be compiled twice, and miss the compile cache a resumed run brings."""
+    """The FLOPs run from construction to :meth:`stop` (forward and backward), by ``FlopCounterMode``.
+
+    A ``torch.compile``d module runs eager while counting (``set_stance("force_eager")``): compiled
+    under the counter's module hooks its graphs would differ from later steps', be compiled twice and
+    miss the compile cache a resumed run brings.
+    """
 
     def __init__(self) -> None:
         self._counter = FlopCounterMode(display=False)
@@ -106,9 +109,11 @@ class StepTelemetry:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def batches(self, micro_batches: Iterable[Any]) -> Iterator[Any]:
-        """``micro_batches``, timing how long each takes to come. Its iterator is made here, at once: a
-        DataLoader draws its workers' base seed from torch's global generator then, and inside a
-        step's ``seeded_global_rng`` that draw would shift the step's own (a resume would not be exact)."""
+        """``micro_batches``, timing how long each takes to come.
+
+        The iterator is made here, at once: a DataLoader draws its workers' seed from torch's global
+        generator then, and inside a step's ``seeded_global_rng`` that draw would break exact resume.
+        """
         return self._timed(iter(micro_batches))
 
     def _timed(self, source: Iterator[Any]) -> Iterator[Any]:
@@ -138,8 +143,10 @@ class StepTelemetry:
 
     def report(self, world_size: int, flops_per_sample: float | None,
                group: dist.ProcessGroup | None) -> dict[str, float]:
-        """The metrics of the steps since the last log (see the module) and a new window. On several
-        ranks it gathers each rank's figures over ``group`` (host tensors): collective."""
+        """The metrics of the steps since the last log; starts a new window.
+
+        - Collective when ``world_size > 1``: gathers each rank's figures over ``group`` (host tensors).
+        """
         now = time.perf_counter()
         elapsed = now - self._start
         training = max(elapsed - self._excluded, 1e-9)
