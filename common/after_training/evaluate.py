@@ -3,9 +3,9 @@
     make eval RUN=<run dir | checkpoint folder | checkpoint> [WHICH=latest|best|<name>] [SPLIT=...] [ARGS=...]
     python -m common.after_training.evaluate RUN [--which W] [--split S] [key=value ...]     (also under torchrun)
 
-The recipe comes from the run's own config (``common/after_training/trained.py``); its ``SPEC``
-(``recipes/<recipe>/spec.py``) builds the model as training builds it and evaluates the split with
-the evaluation training itself uses. See the README's "After training".
+- The recipe comes from the run's own config (``common/after_training/trained.py``); its ``SPEC``
+  (``recipes/<recipe>/spec.py``) builds the model and evaluates the split as training does.
+- README "After training".
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from common.recipes import RecipeSpec, load_recipe
 
 @contextlib.contextmanager
 def evaluating(model: torch.nn.Module) -> Iterator[None]:
-    """The block a recipe's ``evaluate`` runs in: no gradients, rank 0's buffers on every rank
-    (BatchNorm statistics differ across ranks after a step, and rank 0's are the ones
-    checkpointed), eval mode, and the model's mode restored after."""
+    """The block a recipe's ``evaluate`` runs in: eval mode and no gradients, the mode restored after.
+
+    - Broadcasts rank 0's buffers first (collective): BatchNorm statistics differ across ranks after a
+      step, and rank 0's are the ones checkpointed.
+    """
     was_training = model.training
     broadcast_buffers(model)
     model.eval()
@@ -47,18 +49,19 @@ def evaluating(model: torch.nn.Module) -> Iterator[None]:
 
 
 def most_batches(num_samples: int, world_size: int, batch_size: int) -> int:
-    """The batches of the rank that evaluates the most of ``num_samples`` samples (every sample once,
-    ``ResumableDistributedSampler(drop_last=False)``): rank 0's."""
+    """How many batches rank 0, the busiest rank, evaluates under ``ResumableDistributedSampler(drop_last=False)``."""
     return math.ceil(math.ceil(num_samples / world_size) / batch_size)
 
 
 def model_outputs(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, Any]], device: torch.device,
                   precision: str, channels_last: bool, forwards: int = 0) -> Iterator[tuple[Any, Any]]:
-    """The loop of every recipe's evaluation: ``model``'s output for each ``(input, targets)`` of
-    ``batches``, in :func:`evaluating`'s block, channels-last where the run trains so, under the
-    run's autocast; the targets are passed through. An FSDP2-sharded model gathers its weights
-    collectively in every forward, so each rank makes ``forwards`` of them (:func:`most_batches`):
-    a rank with fewer batches runs its last input again, its output unused."""
+    """The loop of every recipe's evaluation: yields ``(model output, targets)`` for each batch.
+
+    - Runs in :func:`evaluating`'s block, channels-last where the run trains so, under the run's autocast.
+    - ``forwards`` (:func:`most_batches`): an FSDP2-sharded model gathers its weights collectively in
+      every forward, so a rank with fewer batches repeats its last input (output unused) up to that many.
+    - Raises ``UserError`` when a sharded rank has no sample at all.
+    """
     last = None
     made = 0
     with evaluating(model):
@@ -81,9 +84,10 @@ def model_outputs(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, 
 def classification_scores(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                           device: torch.device, precision: str, channels_last: bool, prefix: str,
                           forwards: int = 0) -> dict[str, float]:
-    """``<prefix>/loss``, ``/top1`` and ``/top5`` over ``batches`` of (input, labels), summed over
-    ranks, each sample counted once (a rank with no batch still joins the reduction); ``forwards``:
-    see :func:`model_outputs`."""
+    """``<prefix>/loss``, ``/top1`` and ``/top5`` over ``batches`` of (input, labels), each sample once.
+
+    - Collective: summed over ranks; a rank with no batch still joins. ``forwards``: see :func:`model_outputs`.
+    """
     sums = SumMetrics(device)
     sums.add(loss=0.0, top1=0, top5=0, count=0)
     for logits, labels in model_outputs(model, batches, device, precision, channels_last, forwards):
@@ -97,8 +101,7 @@ def metric_prefix(of_ema: bool, name: str = "eval") -> str:
 
 
 def _evaluate_run(run: TrainedRun, spec: RecipeSpec, split: str, dist_info: DistInfo) -> dict[str, Any]:
-    """Build the recipe's model and its evaluation of ``split``, load the checkpoint into the model
-    (and into a copy its EMA, if the checkpoint keeps one), evaluate on every rank; the report."""
+    """Evaluate the checkpoint's model (and its EMA, if kept) on ``split`` on every rank; the report."""
     evaluate = spec.evaluator(run.cfg, dist_info, split)
     model = spec.model_as_trained(run.cfg, dist_info, False)
     state = read_state(run.checkpoint)

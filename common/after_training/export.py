@@ -3,12 +3,11 @@
     make export RUN=<run dir | checkpoint folder | checkpoint> [WHICH=latest|best|<name>] [OUT=<folder>] [ARGS=...]
     python -m common.after_training.export RUN [--which W] [--out DIR] [key=value ...]
 
-The weights are named as the model's library names them (timm, torchvision and transformers load
-the file as it is), FSDP shards consolidated, the EMA where the recipe keeps one; ``metadata.json``
-holds what rebuilding needs and where the weights came from. :func:`load_export` rebuilds the model
-from the folder alone (the export reads itself back that way before it reports success). What is
-recipe-specific comes from the recipe's ``SPEC`` (``recipes/<recipe>/spec.py``). README "After
-training".
+- Weights are named as the model's library names them (timm, torchvision and transformers load the
+  file as it is), FSDP shards consolidated, the EMA where the recipe keeps one.
+- ``metadata.json`` holds what rebuilding needs and where the weights came from; :func:`load_export`
+  rebuilds the model from the folder alone, and the export reads itself back so before it reports success.
+- Recipe-specific parts come from the recipe's ``SPEC`` (``recipes/<recipe>/spec.py``). README "After training".
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ _EXPORT_FORMAT = 2  # 2: fungitastic names taxonomic levels "levels" (was "ranks
 
 
 def rename(state: dict[str, Any], prefixes: list[tuple[str, str]], to_export: bool) -> dict[str, Any]:
-    """``state`` with each key's longest matching prefix replaced: model names to export names
-    (``to_export``) or back."""
+    """``state`` with each key's longest matching prefix replaced: model to export names (``to_export``) or back."""
     pairs = sorted(((model, export) if to_export else (export, model) for model, export in prefixes),
                    key=lambda pair: len(pair[0]), reverse=True)
     renamed = {}
@@ -78,11 +76,12 @@ def timm_classifiers(model_name: str) -> tuple[str, ...]:
 
 def timm_loading(model_name: str, num_classes: int, input_size: list[int], mean: Any, std: Any,
                  kwargs: dict[str, Any] | None = None, **data_config: Any) -> dict[str, Any]:
-    """The ``timm`` entry of ``metadata.json``: ``timm.create_model(model_name, pretrained=True,
-    pretrained_cfg_overlay=dict(file=<model.safetensors>, **pretrained_cfg_overlay), **kwargs)``
-    builds the model with these weights (the overlay's ``num_classes`` keeps the classifier) and
-    this normalisation and ``data_config`` (``crop_pct``, ``interpolation``), which
-    ``timm.data.resolve_data_config(model=...)`` then returns."""
+    """The ``timm`` entry of ``metadata.json``, from which timm rebuilds the model alone.
+
+    - ``timm.create_model(model_name, pretrained=True, pretrained_cfg_overlay=dict(file=<model.safetensors>,
+      **pretrained_cfg_overlay), **kwargs)`` builds it with these weights (``num_classes`` keeps the head).
+    - ``timm.data.resolve_data_config(model=...)`` then returns this normalisation and ``data_config``.
+    """
     return {"model_name": model_name, "kwargs": dict(kwargs or {}),
             "pretrained_cfg_overlay": {"num_classes": num_classes, "input_size": list(input_size),
                                        "mean": list(mean), "std": list(std), **data_config}}
@@ -102,8 +101,7 @@ def _safetensors_ready(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def _readable_as_umask_allows(folder: Path) -> None:
-    """Give the files of ``folder`` the usual permissions (safetensors writes its files 0600, and an
-    export is made to be handed to others)."""
+    """Give ``folder``'s files the umask's permissions: safetensors writes 0600, and exports are shared."""
     umask = os.umask(0)
     os.umask(umask)
     for file in folder.iterdir():
@@ -182,8 +180,7 @@ def read_export_weights(folder: Path, metadata: dict[str, Any]) -> dict[str, tor
 
 
 def load_export(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """The model of an export, rebuilt from the folder alone, with its weights, in eval mode; and
-    its metadata."""
+    """The model of an export, rebuilt from the folder alone, with its weights, in eval mode; and its metadata."""
     folder = Path(folder)
     metadata = read_metadata(folder)
     spec = load_recipe(metadata["recipe"])

@@ -1,14 +1,12 @@
 """``init_from=<run dir | checkpoint folder | checkpoint | export>``: a new run's first weights.
 
-The source's weights (those ``make export`` would write: the EMA where the source keeps one, FSDP
-shards consolidated) are renamed into the export's names by the source recipe's
-``recipes/<r>/spec.py``, then into this model's names by this recipe's, so a run can start from
-another recipe's run of the same backbone (fungitastic from timm_imagenet). Every tensor of the
-model must be there with its shape, and nothing else: the first one that is not is a one-line
-error. ``init_skip_head=true`` leaves the classifier head (this recipe's ``head_names``) out
-of both sides, for a source trained on other classes. Only the weights are taken: the optimizer,
-LR schedule, sampler and step start afresh, and a run that resumes its own checkpoint does not
-read the source at all (:meth:`common.run.training_run.TrainingRun.resume`).
+- Takes the weights ``make export`` would write (the EMA where kept, FSDP shards consolidated),
+  renamed through the export's names, so a run can start from another recipe's run of the same
+  backbone (fungitastic from timm_imagenet).
+- Every tensor of the model must be there with its shape, and nothing else; ``init_skip_head=true``
+  leaves the classifier head (the recipe's ``head_names``) out, for a source trained on other classes.
+- Only weights: optimizer, LR schedule, sampler and step start afresh, and a run resuming its own
+  checkpoint never reads the source (:meth:`common.run.training_run.TrainingRun.resume`).
 """
 
 from __future__ import annotations
@@ -48,8 +46,11 @@ def _model_shapes(model: torch.nn.Module, sharded: bool) -> dict[str, torch.Size
 
 def initialize_model(model: torch.nn.Module, model_cfg: Any, recipe: str, source: str, skip_head: bool,
                      sharded: bool = False) -> str:
-    """Load ``source``'s weights into ``model`` (of ``recipe``, built from ``model_cfg``; FSDP-sharded
-    with ``sharded``, then collectively on every rank) and return what was loaded."""
+    """Load ``source``'s weights into ``model`` and return a line saying what was loaded.
+
+    - ``model``: of ``recipe``, built from ``model_cfg``; ``sharded``: FSDP-sharded, then collective on every rank.
+    - Raises ``UserError`` (one line) on the first tensor missing, misshapen or extra.
+    """
     try:
         exported, description = _source_weights(source)
         target = load_recipe(recipe)

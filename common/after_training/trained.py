@@ -2,16 +2,17 @@
 
 ``make eval-<recipe>``, ``make export`` and ``init_from=`` name a run in one of three ways:
 
-* its run directory (``runs/<recipe>/<name>``, holding ``.hydra/config.yaml``);
-* its checkpoint folder (``<run>/checkpoints``, or the ISC's ``CHECKPOINT_ARTIFACT_PATH``
-  downloaded on its own), which holds ``AtomicDirectory_checkpoint_<N>`` directories;
-* one checkpoint directory (``AtomicDirectory_checkpoint_<N>[_force]``).
+- its run directory (``runs/<recipe>/<name>``, holding ``.hydra/config.yaml``);
+- its checkpoint folder (``<run>/checkpoints``, or the ISC's ``CHECKPOINT_ARTIFACT_PATH``
+  downloaded on its own), holding ``AtomicDirectory_checkpoint_<N>`` directories;
+- one checkpoint directory (``AtomicDirectory_checkpoint_<N>[_force]``).
 
-The config is the run's own: ``.hydra/config.yaml`` of the run directory (also when a checkpoint
-folder inside it is named), else the copy in the checkpoints' manifests. It is checked against
-the recipe's schema as the code is now, with the caller's overrides on top (``data.root=...`` for
-a run moved to another machine, ``checkpoint.dir=...`` where its checkpoints lie apart from it).
-Nothing here writes into the run or its checkpoints, so a run that is still training can be read.
+Facts:
+
+- The config is the run's own ``.hydra/config.yaml``, else the copy in the checkpoints' manifests,
+  checked against the recipe's schema as the code is now, overrides on top (``data.root=...`` for a
+  moved run, ``checkpoint.dir=...`` for checkpoints kept apart).
+- Nothing here writes into the run or its checkpoints: a run still training can be read.
 """
 
 from __future__ import annotations
@@ -61,15 +62,20 @@ class TrainedRun:
 
     @property
     def run_dir(self) -> Path:
-        """Where files about the run go: the run directory, or the checkpoint folder when it came
-        alone (``run_dir=`` among the overrides puts them elsewhere)."""
+        """Where files about the run go: the run directory, or the checkpoint folder that came alone.
+
+        ``run_dir=`` among the overrides puts them elsewhere.
+        """
         return Path(self.cfg.run_dir)
 
 
 def open_run(source: str | Path, which: str = LATEST, overrides: Sequence[str] = ()) -> TrainedRun:
-    """The run ``source`` names (see the module) and its checkpoint ``which``: ``latest`` (the
-    newest valid one), ``best`` (by ``checkpoint.best_metric``) or a checkpoint directory's name.
-    Every problem is a one-line :class:`UserError`."""
+    """The run ``source`` names (see the module) and its chosen checkpoint.
+
+    - ``which``: ``latest`` (newest valid), ``best`` (by ``checkpoint.best_metric``) or a checkpoint's name.
+    - ``overrides``: ``key=value`` changes to the run's config.
+    - Raises a one-line :class:`UserError` for every problem.
+    """
     path = Path(source)
     if not path.exists():
         raise UserError(f"{path} does not exist: name a run directory, its checkpoint folder or one checkpoint")
@@ -109,8 +115,8 @@ def _saved_config(folder: Path) -> dict[str, Any]:
 
 
 def _run_config(saved: Any, run_dir: Path, checkpoint_dir: Path | None, overrides: Sequence[str]) -> DictConfig:
-    """``saved`` checked against its recipe's schema, with ``run_dir`` (and ``checkpoint.dir``
-    when given) set to where the run is now, then ``overrides`` (``key=value``) applied."""
+    """``saved`` checked against its recipe's schema, ``run_dir`` (and ``checkpoint.dir``) set to where
+    the run is now, then ``overrides`` (``key=value``) applied."""
     recipe = saved.get("recipe") if hasattr(saved, "get") else None
     if not isinstance(recipe, str):
         raise UserError(f"the config of {run_dir} names no recipe")
@@ -163,8 +169,7 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def _consolidated_shards(sharded: Path, key: str = "model") -> dict[str, torch.Tensor]:
-    """The entry ``key`` of a ``torch.distributed.checkpoint`` folder as whole tensors on the CPU,
-    whatever number of ranks wrote it; every process reads it by itself (no collective)."""
+    """Entry ``key`` of a ``torch.distributed.checkpoint`` folder as whole CPU tensors; no collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -180,9 +185,12 @@ def _consolidated_shards(sharded: Path, key: str = "model") -> dict[str, torch.T
 
 
 def checkpoint_weights(checkpoint: Path, state: dict[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], str]:
-    """The weights a checkpoint offers for use elsewhere, whole, on the CPU, and which they are:
-    its EMA of the weights (``"ema"``) when the recipe keeps one, else the model's (``"model"``),
-    FSDP shards consolidated. ``state``: its ``state.pt`` if already read."""
+    """The weights a checkpoint offers for use elsewhere, whole, on the CPU, and which they are.
+
+    - Returns the EMA (``"ema"``) when the recipe keeps one, else the model's (``"model"``), FSDP
+      shards consolidated.
+    - ``state``: the checkpoint's ``state.pt`` if already read.
+    """
     state = read_state(checkpoint) if state is None else state
     ema = state.get("extra", {}).get("ema")
     if ema is not None:
@@ -193,9 +201,12 @@ def checkpoint_weights(checkpoint: Path, state: dict[str, Any] | None = None) ->
 
 
 def load_model(model: torch.nn.Module, checkpoint: Path, state: dict[str, Any]) -> None:
-    """Load a checkpoint's model weights into ``model`` as the run saved them: its FSDP shards
-    through ``torch.distributed.checkpoint`` (collective; on any number of ranks), else
-    ``state["model"]``. A model the weights do not fit is a one-line :class:`UserError`."""
+    """Load a checkpoint's model weights into ``model`` as the run saved them.
+
+    - FSDP shards go through ``torch.distributed.checkpoint`` (collective, any number of ranks), else
+      ``state["model"]`` is loaded.
+    - Raises a one-line :class:`UserError` when the weights do not fit the model.
+    """
     try:
         if (checkpoint / SHARDED_DIR).is_dir():
             import torch.distributed.checkpoint as dcp
