@@ -1,13 +1,12 @@
 """Compiled code that survives restarts: ``torch.compile``'s caches travel inside the checkpoint.
 
-Each process compiles into a local Inductor cache folder named by :func:`cache_key`; rank 0
-attaches a tar of it to every checkpoint (``compile_cache.tar``, a
-:class:`common.checkpoint.Attachment`), and a resumed process unpacks the archive of the checkpoint
-it loads before its first compiled step, so a requeue on another node or the next ISC cycle skips
-Inductor. An archive for another key, or a damaged one, is ignored with one line. Not
-``torch.compiler.save_cache_artifacts()``: on a CPU it leaves the compiled C++ kernels out (19.5 s
-of a 43.5 s cold first step, against 2.6 s with the whole folder; benchmarks/RESULTS.md). Figures
-and the key: README "Heartbeats, hangs and compiled code".
+- Each process compiles into a local Inductor cache folder named by :func:`cache_key`; rank 0
+  attaches a tar of it to every checkpoint (``compile_cache.tar``, a :class:`common.checkpoint.Attachment`).
+- A resumed process unpacks the archive of the checkpoint it loads before its first compiled step,
+  so a requeue on another node or the next ISC cycle skips Inductor.
+- An archive for another key, or a damaged one, is ignored with one line.
+- Why not ``torch.compiler.save_cache_artifacts()``: on a CPU it leaves the compiled C++ kernels out
+  (figures: benchmarks/RESULTS.md, issue 26). The key: README "Heartbeats, hangs and compiled code".
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ def device_name(device: torch.device) -> str:
 
 
 def source_digest(recipe: str, root: Path = REPO) -> str:
-    """sha256 over the Python sources of ``recipes/<recipe>/`` and ``common/``: the code that builds
-    the model and the step."""
+    """sha256 over the Python sources of ``recipes/<recipe>/`` and ``common/``, which build the model and step."""
     digest = hashlib.sha256()
     for path in sorted([*(root / "recipes" / recipe).rglob("*.py"), *(root / "common").rglob("*.py")]):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
@@ -69,7 +67,9 @@ def _default_folder(key: str) -> Path:
 
 class CompileCache:
     """This process's compile cache folder, and its archive in checkpoints (see the module).
-    Made before the first compiled call: it points Inductor at the folder."""
+
+    - Make it before the first compiled call: it points Inductor at the folder (``TORCHINDUCTOR_CACHE_DIR``).
+    """
 
     def __init__(self, fields: dict[str, str]) -> None:
         self.fields = fields
@@ -102,8 +102,7 @@ class CompileCache:
         return sorted(listed)
 
     def attachment(self) -> Attachment | None:
-        """The folder as a checkpoint attachment (None while it is empty); the one made before
-        while nothing in it changed."""
+        """The folder as a checkpoint attachment, None while empty; rebuilt only when the folder changed."""
         listed = self._files()
         if listed and listed != self._listed:
             buffer = io.BytesIO()
@@ -118,9 +117,10 @@ class CompileCache:
         return self._attachment
 
     def restore(self, loaded: LoadedCheckpoint) -> str:
-        """Unpack the compile cache of ``loaded`` into the folder, unless it has none (a checkpoint of
-        a run without ``trainer.compile``), or one made for another key, or a damaged one; then the
-        run compiles afresh. Returns the line that says which."""
+        """Unpack ``loaded``'s compile cache into the folder; returns the line that says what happened.
+
+        - None in the checkpoint, one made for another key, or a damaged one: the run compiles afresh.
+        """
         entry = loaded.attachments.get(ARCHIVE_FILE)
         where = f"the compile cache in {loaded.path.name}"
         if entry is None:
@@ -136,8 +136,7 @@ class CompileCache:
         return f"compiled code restored from {where}: {count} files in {self.folder}"
 
     def _unpack(self, data: bytes) -> int:
-        """Every regular file of the archive into the folder, each written under a temporary name and
-        renamed into place; files already there (their names are digests of their content) are kept."""
+        """Unpack the archive's regular files atomically; files already there (named by content digest) are kept."""
         count = 0
         with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
             for member in tar:

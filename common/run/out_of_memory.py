@@ -1,27 +1,20 @@
 """``trainer.out_of_memory=halve``: a step that runs out of CUDA memory is done again with half the micro-batch.
 
-The same config then runs on a smaller GPU (a requeue onto another partition, a mixed ISC queue)
-without hand-tuning, as Composer's ``device_train_microbatch_size="auto"`` does. The data loader
-keeps handing out ``trainer.batch_size`` samples at a time and the run cuts each such batch into
-micro-batches of the size in use (:class:`common.run.steps.MicroBatches`), so the global batch, the
-step's samples and the plan of steps stay those of the config; only the accumulation is deeper.
+Why: the same config then runs on a smaller GPU (a requeue onto another partition, a mixed ISC queue)
+without hand-tuning, as Composer's ``device_train_microbatch_size="auto"`` does.
 
-What makes the redone step the step a run started with the smaller micro-batch would have taken
-(bit for bit on a CPU) is restored by :class:`StepStart`: the gradients are dropped, and the
-random generators, the model's buffers (BatchNorm's running statistics) and the metric sums are
-put back as they were when the step began; per-step seeded generators are made again by the loop.
-Only an out-of-memory error (``torch.OutOfMemoryError``) inside the step's forward and backward
-passes is retried: any other error, or one in the optimizer step, ends the run as before.
-
-Several ranks: where the step's forward and backward passes make no collective call (DDP, whose
-gradients this mode reduces once after the last micro-batch instead of during its backward pass,
-:func:`common.pytorch.distributed.all_reduce_gradients`), the rank that ran out redoes its step
-alone and the others take its size where they next agree on the checkpoint cadence, so no step
-waits for another rank's host. Where they make collective calls (FSDP2, synchronised BatchNorm),
-every rank must run out in the same micro-batch (their shards and batches are the same size): they
-check it, then all redo the step. A rank that ran out alone there waits for the others in that
-check while they wait in the model's next collective, and the run ends as hung (exit 4) after
-``trainer.collective_timeout_s``.
+- The loader still hands out ``trainer.batch_size`` samples; the run cuts them into micro-batches of the
+  size in use (:class:`common.run.steps.MicroBatches`). Global batch and step plan are the config's.
+- The redone step is the one a run started with the smaller micro-batch would take (bit for bit on a
+  CPU): gradients dropped, and generators, buffers and metric sums put back (:class:`StepStart`).
+- Only ``torch.OutOfMemoryError`` in the forward and backward passes is retried; any other error, or
+  one in the optimizer step, ends the run as before.
+- No collective in forward/backward (DDP, reduced after the step by
+  :func:`common.pytorch.distributed.all_reduce_gradients`): the rank that ran out redoes its step
+  alone; the others take its size at the next checkpoint-cadence agreement.
+- Collectives in forward/backward (FSDP2, synchronised BatchNorm): every rank must run out in the same
+  micro-batch; they check, then all redo the step. A rank that ran out alone there ends the run as
+  hung (exit 4) after ``trainer.collective_timeout_s``.
 """
 
 from __future__ import annotations
@@ -44,8 +37,10 @@ def halved(size: int) -> int:
 
 
 def device_description(device: torch.device, world_size: int) -> str:
-    """What a micro-batch size found to fit is kept for: the GPU model and its memory, and the
-    number of ranks (FSDP2's shards, and so each rank's memory, depend on it)."""
+    """What a micro-batch size found to fit holds for: GPU model, its memory, and the number of ranks.
+
+    (FSDP2's shards, and so each rank's memory, depend on the number of ranks.)
+    """
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)
         where = f"{properties.name} ({properties.total_memory / 2**30:.1f} GiB)"
@@ -55,9 +50,10 @@ def device_description(device: torch.device, world_size: int) -> str:
 
 
 def communicates_in_forward(model: nn.Module) -> bool:
-    """Whether ``model``'s forward or backward passes make collective calls of their own: FSDP2's
-    gathers, BatchNorm synchronised across ranks (``nn.SyncBatchNorm``, or a module that says so
-    with ``collective_in_forward = True``)."""
+    """Whether ``model``'s forward or backward passes make collective calls of their own.
+
+    - FSDP2's gathers, ``nn.SyncBatchNorm``, or a module that sets ``collective_in_forward = True``.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(module, (FSDPModule, nn.SyncBatchNorm)) or getattr(module, "collective_in_forward", False)
@@ -65,11 +61,12 @@ def communicates_in_forward(model: nn.Module) -> bool:
 
 
 class StepStart:
-    """What a step changes before its optimizer step, as it was when the step began: the global
-    random generators (Python's, NumPy's, torch's CPU one and this rank's CUDA one), the model's
-    buffers and the metric sums. Taken at every step (host copies of the generator states, one
-    device copy of the buffers, references to the sums: no host sync), put back only when a step
-    is redone."""
+    """What a step changes before its optimizer step, as it was when the step began.
+
+    - Holds the global random generators (Python, NumPy, torch CPU, this rank's CUDA), the model's
+      buffers and the metric sums.
+    - Taken every step without a host sync; put back only when a step is redone.
+    """
 
     def __init__(self, model: nn.Module, sums: SumMetrics, device: torch.device) -> None:
         self.model, self.sums, self.device = model, sums, device
@@ -108,9 +105,11 @@ def check_can_halve(model: nn.Module) -> None:
 
 
 def drop_gradients(model: nn.Module) -> None:
-    """Forget the gradients a failed step accumulated; under FSDP2 also its unsharded ones, the
-    weights it had gathered and its per-iteration state (``FSDPModule.reset_iter_state``, PyTorch's
-    recovery after an error in a forward or backward pass; torch >= 2.14)."""
+    """Forget the gradients a failed step accumulated.
+
+    - Under FSDP2 also its unsharded gradients, gathered weights and per-iteration state, through
+      ``FSDPModule.reset_iter_state`` (PyTorch's recovery after an error in forward or backward; torch >= 2.14).
+    """
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):

@@ -1,18 +1,13 @@
-"""A run that is a trial of a hyperparameter search reports each evaluation to the study, and
-stops when the study's pruner says so.
+"""A hyperparameter search's trial: each evaluation reported to the study, the run stopped when its pruner says.
 
-``python -m tools.search`` starts every trial as an ordinary run of the recipe, with
-:data:`_TRIAL_VARIABLE` naming the study's storage, the trial and the objective. The run contract
-(``common/run/training_run.py``) asks :meth:`SearchTrial.report` after each evaluation at an epoch's end, so
-every recipe can be pruned without code of its own; without the variable nothing changes.
-
-Rank 0 alone talks to the study (Optuna's storage: a journal file, or a database); the ranks
-agree on its answer through one broadcast. Values are reported by epoch, Optuna's ``step``: the
-pruners compare trials at the same step, and epochs line up across trials whatever their batch
-size, where optimizer steps would not. A resumed run counts epochs exactly as an uninterrupted
-one, so a trial resumed after pre-emption reports the same epochs (Optuna keeps the first value
-of a step and ignores a repeat). Optuna is imported only by a run that is a trial, so other runs
-start no slower.
+- ``python -m tools.search`` starts each trial as an ordinary run, with :data:`_TRIAL_VARIABLE` naming
+  the storage, the trial and the objective; without the variable nothing changes.
+- The run contract (``common/run/training_run.py``) calls :meth:`SearchTrial.report` after each
+  epoch-end evaluation, so every recipe can be pruned without code of its own.
+- Rank 0 alone talks to the study (a journal file or a database); one broadcast shares its answer.
+- Reported by epoch (Optuna's ``step``): epochs line up across trials whatever their batch size; a
+  resumed trial reports the same epochs again, and Optuna ignores the repeats.
+- Optuna is imported only by a trial, so other runs start no slower.
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ PRUNERS = {
 
 
 def open_storage(storage: str) -> Any:
-    """Optuna's storage for ``storage``: a database URL (``sqlite:///...``, ``postgresql://...``),
-    or the path of a journal file, which needs no server (only a filesystem every worker sees)."""
+    """Optuna's storage for ``storage``: a database URL, or a journal file's path (no server, a shared filesystem)."""
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
@@ -48,8 +42,10 @@ def open_storage(storage: str) -> Any:
 
 
 def make_pruner(spec: dict[str, Any]) -> Any:
-    """The Optuna pruner ``{"name": <one of PRUNERS>, <its options>...}`` describes; a bad name or
-    option is a one-line :class:`UserError`."""
+    """The Optuna pruner ``{"name": <one of PRUNERS>, <its options>...}`` describes.
+
+    - Raises a one-line :class:`UserError` for a bad name or option.
+    """
     import optuna
 
     options = dict(spec)
@@ -96,8 +92,10 @@ class SearchTrial:
             raise UserError(f"{_TRIAL_VARIABLE} is not what tools.search writes: {error}") from error
 
     def report(self, metrics: dict[str, float], epoch: int, is_main: bool) -> bool:
-        """Report the objective of the evaluation ``metrics`` at the end of epoch ``epoch``; True
-        when the study's pruner stops this trial. Collective: every rank calls it, rank 0 decides."""
+        """Report the objective among ``metrics`` at epoch ``epoch``; True when the pruner stops this trial.
+
+        - Collective: every rank calls it, rank 0 decides. ``UserError`` when the objective is missing.
+        """
         if self.metric not in metrics:
             raise UserError(f"the search's objective {self.metric} is not among this evaluation's metrics "
                             f"({', '.join(sorted(metrics))}); set objective.metric in the search space")

@@ -1,13 +1,11 @@
 """How an epoch's samples become optimizer steps: micro-batches, gradient accumulation, the epoch's tail.
 
-Every recipe walks an epoch the same way. The sampler hands this rank the rest of the epoch (all
-of it, or what a resumed run has left) in micro-batches of ``trainer.batch_size``; ``accumulate``
-micro-batches make one optimizer step, so that the global batch stays
-``trainer.global_batch_size`` on any number of ranks. Where an epoch does not divide evenly, each
-recipe says once, with an :class:`EpochTail`, what happens to its last samples; from that
-follow the steps an epoch has, the steps left after a resume, and when an epoch is done. These
-stay the config's when ``trainer.out_of_memory=halve`` makes the micro-batches smaller: each
-batch of ``trainer.batch_size`` samples is then cut in pieces (:class:`MicroBatches`).
+- The sampler hands this rank the rest of the epoch in micro-batches of ``trainer.batch_size``;
+  ``accumulate`` of them make a step, keeping ``trainer.global_batch_size`` on any number of ranks.
+- Each recipe says once, with an :class:`EpochTail`, what an uneven epoch does with its last samples;
+  the steps per epoch, the steps left after a resume and the epoch's end follow from it.
+- ``trainer.out_of_memory=halve`` cuts each batch into smaller pieces (:class:`MicroBatches`); the
+  step counts stay the config's.
 """
 
 from __future__ import annotations
@@ -38,27 +36,24 @@ class EpochTail(str, Enum):
 def compile_static(model: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compile`` for ``trainer.compile``, with static shapes.
 
-    With :attr:`EpochTail.keep` an epoch ends with a shorter micro-batch. By default the compiler
-    then recompiles with a dynamic batch dimension, and every full batch after it runs that more
-    general, slower graph. Static, the short batch gets a graph of its own (one more compilation)
-    and full batches keep theirs.
+    Why: with :attr:`EpochTail.keep` an epoch ends with a shorter micro-batch; by default the compiler
+    would recompile with a dynamic batch dimension and run every later full batch on that slower graph.
+    Static, the short batch gets a graph of its own and full batches keep theirs.
     """
     return torch.compile(model, dynamic=False)
 
 
 class MicroBatches:
-    """The micro-batches of one optimizer step, taken from the epoch's iterator as they are used
-    (a DataLoader's batches are not held in memory all at once). ``len()`` is how many there are
-    and ``samples`` how many samples they hold on this rank, both known before the first. The
-    rank's heartbeat says whether it is waiting for one or working on it.
+    """The micro-batches of one optimizer step, taken from the epoch's iterator as they are used.
 
-    The iterator hands out batches of the plan's ``micro_batch`` samples (``loaded``: the sizes of
-    this step's); with a smaller ``size`` (set before the step starts) each is cut into micro-batches of ``size``
-    (``trainer.out_of_memory=halve``, ``common/run/out_of_memory.py``), and with ``keep`` the batches
-    taken are kept until the step ends, so :meth:`restart` can hand the same samples out again.
-    The loop runs the step inside ``with group:``, which hands an error to ``on_error`` (set by the
-    run): when it returns True the error is swallowed and the run hands the step out again; and
-    ``after_last`` (set by the run) is called once the loop is done with the last micro-batch."""
+    - ``len()`` and ``samples`` (on this rank) are known before the first; the heartbeat says whether
+      the rank waits for a batch or works on it.
+    - ``loaded``: the sizes of this step's batches from ``source``; a ``size`` below them cuts each batch
+      into micro-batches of ``size`` (``trainer.out_of_memory=halve``, ``common/run/out_of_memory.py``).
+    - ``keep``: batches are kept until the step ends, so :meth:`restart` can hand them out again.
+    - The loop runs the step inside ``with group:``; an error goes to ``on_error`` (set by the run),
+      which swallows it by returning True. ``after_last`` (set by the run) follows the last micro-batch.
+    """
 
     def __init__(self, source: Iterator[Any], loaded: list[int], size: int, keep: bool = False) -> None:
         self._source = source
@@ -105,8 +100,10 @@ class MicroBatches:
 
 
 class StepPlan:
-    """The optimizer steps of a run: ``accumulate`` micro-batches of ``micro_batch`` samples per
-    rank make a step; ``per_epoch`` steps make an epoch, ``total`` steps the run."""
+    """The optimizer steps of a run: ``accumulate`` micro-batches of ``micro_batch`` samples per rank a step.
+
+    - ``per_epoch`` steps make an epoch, ``total`` the run (``max_steps`` caps it); ``tail``: :class:`EpochTail`.
+    """
 
     def __init__(self, sampler: ResumableDistributedSampler, micro_batch: int, accumulate: int, world_size: int,
                  epochs: int, max_steps: int = 0, tail: EpochTail = EpochTail.keep) -> None:
@@ -165,8 +162,7 @@ class StepPlan:
         return self.steps_left() == 0
 
     def _steps_left(self, samples_left: int | None = None) -> Iterator[tuple[int, int]]:
-        """``(micro-batches, samples on this rank)`` of each step left in the sampler's epoch (or in
-        an epoch with ``samples_left`` samples left on this rank)."""
+        """``(micro-batches, samples on this rank)`` of each step left in the epoch (or in ``samples_left``)."""
         samples_left = len(self.sampler) if samples_left is None else samples_left
         for _ in range(self.steps_in(samples_left)):
             count = min(self.accumulate, self.micro_batches_in(samples_left))
@@ -175,14 +171,15 @@ class StepPlan:
             samples_left -= samples
 
     def epoch_batches(self) -> EpochBatches:
-        """A DataLoader's ``batch_sampler`` for this plan's micro-batches that runs on past an epoch's
-        end (:class:`EpochBatches`)."""
+        """A DataLoader ``batch_sampler`` of this plan's micro-batches that runs past epoch ends."""
         return EpochBatches(self)
 
     def groups(self, micro_batches: Iterable[Any], keep: bool = False) -> Iterator[MicroBatches]:
-        """The steps left in the epoch, each the :class:`MicroBatches` of one step, from
-        ``micro_batches``: the rest of the epoch as index tensors or a DataLoader, in batches of
-        :attr:`micro_batch`; ``keep``: see :class:`MicroBatches`."""
+        """The :class:`MicroBatches` of each step left in the epoch.
+
+        - ``micro_batches``: the rest of the epoch (index tensors or a DataLoader) in batches of :attr:`micro_batch`.
+        - ``keep``: see :class:`MicroBatches`. Raises ``RuntimeError`` if a step leaves micro-batches unused.
+        """
         source = iter(micro_batches)
         for count, samples in self._steps_left():
             loaded = [self.micro_batch] * (count - 1) + [samples - self.micro_batch * (count - 1)]
@@ -192,20 +189,20 @@ class StepPlan:
                 raise RuntimeError(f"a step used {group.taken} of its {count} micro-batches; iterate over all of them")
 
     def skip(self, steps: int) -> None:
-        """Move the sampler past the micro-batches of the next ``steps`` steps of its epoch (at most
-        the rest of it) without training on them: a rollback's window of bad batches."""
+        """Move the sampler past the next ``steps`` steps of its epoch untrained: a rollback's bad batches."""
         skipped = [samples for _, samples in itertools.islice(self._steps_left(), max(0, steps))]
         self.sampler.advance(sum(skipped))
 
 
 class EpochBatches:
-    """The micro-batches of a plan's steps as lists of sampler keys, from the sampler's position to
-    the end of the run's last epoch, epoch after epoch: a DataLoader's ``batch_sampler`` whose one
-    iterator the run keeps across epochs (:meth:`common.run.training_run.TrainingRun.steps`), so that its
-    workers decode the next epoch's first batches while this one ends and evaluates, where a
-    new iterator per epoch would start them only then. Each epoch's micro-batches are exactly
-    those the plan's steps take (the tail rule included), so none straddles two epochs; which
-    samples, and in what order, is the sampler's alone, as with a new iterator per epoch."""
+    """A plan's micro-batches as lists of sampler keys, from the sampler's position to the run's end.
+
+    - A DataLoader ``batch_sampler`` whose one iterator lasts the run
+      (:meth:`common.run.training_run.TrainingRun.steps`): workers decode the next epoch's first
+      batches while this one ends and evaluates.
+    - Each epoch's micro-batches are exactly the plan's (tail rule included): none straddles two
+      epochs, and the order is the sampler's alone.
+    """
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
