@@ -35,9 +35,8 @@ from common.recipes import RecipeSpec, load_recipe
 def evaluating(model: torch.nn.Module) -> Iterator[None]:
     """The block a recipe's ``evaluate`` runs in: eval mode and no gradients, the mode restored after.
 
-    - Broadcasts rank 0's buffers first (collective): BatchNorm statistics differ across ranks after a
-      step, and rank 0's are the ones checkpointed.
-    """
+    Broadcasts rank 0's buffers first (collective): BatchNorm statistics differ across ranks after a step, and rank
+    0's are the ones checkpointed."""
     was_training = model.training
     broadcast_buffers(model)
     model.eval()
@@ -86,8 +85,7 @@ def classification_scores(model: torch.nn.Module, batches: Iterable[tuple[torch.
                           forwards: int = 0) -> dict[str, float]:
     """``<prefix>/loss``, ``/top1`` and ``/top5`` over ``batches`` of (input, labels), each sample once.
 
-    - Collective: summed over ranks; a rank with no batch still joins. ``forwards``: see :func:`model_outputs`.
-    """
+    Collective: summed over ranks; a rank with no batch still joins. ``forwards``: see :func:`model_outputs`."""
     sums = SumMetrics(device)
     sums.add(loss=0.0, top1=0, top5=0, count=0)
     for logits, labels in model_outputs(model, batches, device, precision, channels_last, forwards):

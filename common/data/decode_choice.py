@@ -93,8 +93,7 @@ def model_rate(model: torch.nn.Module, batch: int, image_size: int, precision: P
                device: torch.device) -> float:
     """Images/s ``model`` trains (forward and backward, no optimizer step) on a synthetic ``batch``.
 
-    - Leaves parameters, buffers, gradients (set to None) and random generators as they were.
-    """
+    Leaves parameters, buffers, gradients (set to None) and random generators as they were."""
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         images = torch.randn(batch, 3, image_size, image_size, device=device)
@@ -122,8 +121,7 @@ def choose_train_decode(configured: Decode, trainer: TrainerConfig, augmentation
                         device: torch.device) -> DecodeChoice:
     """:func:`choose_decode` for a recipe's training ``images`` (files or shards) and its built ``model``.
 
-    - Takes workers, micro-batch, precision and determinism from ``trainer``. Collective.
-    """
+    Takes workers, micro-batch, precision and determinism from ``trainer``. Collective."""
     workers = trainer.num_workers if trainer.num_workers >= 0 else cpu_cores_per_rank()
     files = TrainImages(Subset(images, range(min(len(images), _SAMPLE_FILES))), augmentation, Decode.cpu,
                         draft_decode)

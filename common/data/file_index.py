@@ -50,8 +50,7 @@ UNREADABLE_SHOWN = 5
 class FileIndex:
     """Every file of a split: name relative to the data root, label (``[N]`` or ``[N, K]``), size, nvjpeg flag.
 
-    - ``info``: what it was built from (JSON), with the watched folders and the checksum.
-    """
+    ``info``: what it was built from (JSON), with the watched folders and the checksum."""
 
     names: np.ndarray  # uint8: every name in UTF-8, one after another
     ends: np.ndarray  # int64 [N]: where each name ends in ``names``
@@ -151,8 +150,7 @@ def _header(path: str) -> tuple[int, int, bool] | str:
 def read_headers(paths: Sequence[str], workers: int, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Widths, heights and nvjpeg flags of ``paths``, read in ``workers`` processes with a progress bar.
 
-    - Raises one ``UserError`` naming the first few unreadable files.
-    """
+    Raises one ``UserError`` naming the first few unreadable files."""
     bar = tqdm(total=len(paths), desc=f"reading the headers of {what}", unit="files", file=sys.stderr,
                mininterval=1 if sys.stderr.isatty() else 30, disable=len(paths) < PARALLEL_FROM)
     if workers > 1 and len(paths) >= PARALLEL_FROM:
@@ -254,8 +252,7 @@ def save(index: FileIndex, paths: tuple[Path, Path]) -> Path:
 class IndexedFiles(Dataset):
     """The files of a saved list as a dataset of :class:`EncodedImage` (bytes read as needed, size and label listed).
 
-    - ``label_columns``: the columns of ``[N, K]`` labels to return.
-    """
+    ``label_columns``: the columns of ``[N, K]`` labels to return."""
 
     def __init__(self, root: str | Path, index: FileIndex, label_columns: Sequence[int] | None = None) -> None:
         self.root = str(root)

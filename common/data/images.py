@@ -115,8 +115,7 @@ class PathImages(Dataset):
 def decode(data: np.ndarray, path: str, reduction: int = 1) -> np.ndarray:
     """RGB uint8 ``[H, W, 3]`` of an encoded image; greyscale and CMYK come out as RGB, as PIL's convert gives.
 
-    - ``reduction``: 2, 4 or 8 decodes directly at that fraction of the size (libjpeg's DCT scaling).
-    """
+    ``reduction``: 2, 4 or 8 decodes directly at that fraction of the size (libjpeg's DCT scaling)."""
     pixels = cv2.imdecode(data, _DECODE_FLAGS[reduction])
     if pixels is None:
         raise UserError(f"{path} is not a readable image (it does not decode)")
@@ -146,9 +145,8 @@ def random_resized_crop(width: int, height: int, scale: tuple[float, float],
                         ratio: tuple[float, float]) -> CropBox:
     """timm's RandomResizedCropAndInterpolation box (torchvision's algorithm), drawn from Python's generator.
 
-    - Draws in timm's order: an area fraction in ``scale``, a log-uniform aspect ratio in ``ratio``,
-      10 tries, then the whole image clipped to ``ratio``.
-    """
+    Draws in timm's order: an area fraction in ``scale``, a log-uniform aspect ratio in ``ratio``, 10 tries, then
+    the whole image clipped to ``ratio``."""
     area = width * height
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
@@ -199,8 +197,7 @@ def _draw_colour_jitter(strength: float) -> torch.Tensor:
 class TrainAugmentation:
     """A recipe's per-sample training augmentation: random-resized crop, flip, colour jitter, a policy.
 
-    - Colour jitter is applied on the device; raises ``UserError`` for an unknown ``interpolation``.
-    """
+    Colour jitter is applied on the device; raises ``UserError`` for an unknown ``interpolation``."""
 
     size: int
     scale: tuple[float, float] = (0.08, 1.0)  # crop area, as a fraction of the image

@@ -45,9 +45,8 @@ class PerSampleSeeded(Dataset):
 def cpu_cores_per_rank() -> int:
     """The CPU cores this rank may use for its workers; at least 1.
 
-    - Its affinity mask, capped by ``SLURM_CPUS_PER_TASK``, divided among the ``LOCAL_WORLD_SIZE`` ranks
-      torchrun started on the node (unset under ``srun``, where each task has its own cores).
-    """
+    Its affinity mask, capped by ``SLURM_CPUS_PER_TASK``, divided among the ``LOCAL_WORLD_SIZE`` ranks torchrun
+    started on the node (unset under ``srun``, where each task has its own cores)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
         cores = min(cores, int(os.environ["SLURM_CPUS_PER_TASK"]))
@@ -135,9 +134,8 @@ def _loader(dataset: Dataset, num_workers: int, pin_memory: bool, collate_fn: Ca
 def split_micro_batch(batch: Any, size: int) -> list[Any]:
     """``batch`` cut along its first dimension into pieces of ``size`` samples, the last one shorter.
 
-    - Takes tensors and tuples, lists and dicts of them; an object with ``split_samples(size)`` cuts
-      itself (packed file bytes). Raises ``TypeError`` for anything else.
-    """
+    Takes tensors and tuples, lists and dicts of them; an object with ``split_samples(size)`` cuts itself (packed
+    file bytes). Raises ``TypeError`` for anything else."""
     if isinstance(batch, torch.Tensor):
         return list(batch.split(size))
     if hasattr(batch, "split_samples"):

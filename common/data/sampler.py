@@ -86,8 +86,7 @@ class ResumableDistributedSampler(Sampler):
     def index_batches(self, batch_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
         """This rank's remaining indices as tensors of ``batch_size`` on ``device``, for in-memory datasets.
 
-        - The last may be shorter; empty when the epoch is done (a resume from an epoch's last step).
-        """
+        The last may be shorter; empty when the epoch is done (a resume from an epoch's last step)."""
         indices = list(self)
         if not indices:
             return ()
@@ -109,8 +108,7 @@ class ResumableDistributedSampler(Sampler):
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue where the saved run stopped, on any world size.
 
-        - Raises ``ValueError`` when the dataset size or the seed differ from the saved ones.
-        """
+        Raises ``ValueError`` when the dataset size or the seed differ from the saved ones."""
         if state["num_samples"] != self.num_samples:
             raise ValueError(
                 f"the checkpoint was taken on a dataset of {state['num_samples']} samples, "

@@ -28,8 +28,7 @@ def stage_directory(source: str | Path, stage_root: str | Path, local_rank: int,
                     poll_seconds: float = 1.0) -> Path:
     """Copy ``source`` under ``stage_root`` once per node and return the copy.
 
-    - Collective (a barrier at the end); raises ``UserError`` when ``source`` is no folder or the copy fails.
-    """
+    Collective (a barrier at the end); raises ``UserError`` when ``source`` is no folder or the copy fails."""
     source, stage_root = Path(source), Path(stage_root)
     if not source.is_dir():
         raise UserError(f"cannot stage {source}: it is not a directory")

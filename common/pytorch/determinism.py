@@ -22,8 +22,7 @@ CUBLAS_WORKSPACE = ":4096:8"
 def configure_determinism(deterministic: bool, device_preference: str) -> None:
     """Set PyTorch's determinism and speed switches for this process.
 
-    - Call it first in ``main``, before CUDA starts (``init_distributed``): cuBLAS reads its workspace then.
-    """
+    Call it first in ``main``, before CUDA starts (``init_distributed``): cuBLAS reads its workspace then."""
     fast_cuda = not deterministic and wants_cuda(device_preference)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)

@@ -115,8 +115,7 @@ def _gpu_index(local_rank: int, launcher: str) -> int:
 def resolve_device(preference: str, local_rank: int = 0, launcher: str = "single") -> torch.device:
     """This process's device for ``device=preference``; sets the current CUDA device.
 
-    - ``auto``: CUDA when present, else CPU. Raises ``UserError`` for ``cuda`` without a GPU or an unknown value.
-    """
+    ``auto``: CUDA when present, else CPU. Raises ``UserError`` for ``cuda`` without a GPU or an unknown value."""
     if preference not in ("auto", "cpu", "cuda"):
         raise UserError(f"device must be auto, cpu or cuda, not {preference!r}")
     if preference == "cuda" and not torch.cuda.is_available():
@@ -186,8 +185,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = COLLECT
 def gloo_group() -> dist.ProcessGroup:
     """A new gloo group of every rank, with the process group's timeout (not gloo's 30-minute default).
 
-    - Collective: every rank calls it.
-    """
+    Collective: every rank calls it."""
     return dist.new_group(backend="gloo", timeout=_timeout)
 
 

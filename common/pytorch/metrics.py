@@ -94,8 +94,7 @@ def add_classification(sums: SumMetrics, logits: torch.Tensor, labels: torch.Ten
                        keep: torch.Tensor | None = None) -> None:
     """Add a batch's summed cross-entropy, top-1 and top-5 hits and count to ``sums``.
 
-    - ``keep``: a mask of the samples to count (the others are padding).
-    """
+    ``keep``: a mask of the samples to count (the others are padding)."""
     logits = logits.float()
     hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]
     top1, top5 = hits[:, 0], hits.any(dim=1)

@@ -13,8 +13,7 @@ from common.errors import UserError
 def accumulation_steps(global_batch_size: int | None, micro_batch_size: int, world_size: int) -> int:
     """Micro-batches per optimizer step that keep the batch at ``global_batch_size`` on any number of ranks.
 
-    - 1 when no global batch size is set; ``UserError`` when it is not a multiple of batch x ranks.
-    """
+    1 when no global batch size is set; ``UserError`` when it is not a multiple of batch x ranks."""
     if not global_batch_size:
         return 1
     per_step = micro_batch_size * world_size

@@ -38,8 +38,7 @@ def weights_file(path: Path) -> Path:
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The state dict of a weights file, or of a folder's; ``UserError`` when there is none or it is unreadable.
 
-    - ``.safetensors``, or a torch file holding it at the top level or under ``model``/``state_dict``.
-    """
+    ``.safetensors``, or a torch file holding it at the top level or under ``model``/``state_dict``."""
     file = weights_file(path)
     try:
         state = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(file, map_location="cpu",

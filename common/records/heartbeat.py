@@ -95,8 +95,7 @@ def is_timeout(error: BaseException) -> bool:
 def read_heartbeats(run_dir: str | Path, world_size: int | None = None) -> list[dict[str, Any] | None]:
     """Each rank's heartbeat record, None where missing or unreadable.
 
-    - ``world_size``: how many ranks to read; by default the one the records found name.
-    """
+    ``world_size``: how many ranks to read; by default the largest world size the records found state."""
     folder = Path(run_dir) / HEARTBEAT_DIR
 
     def read(path: Path) -> dict[str, Any] | None:
@@ -281,9 +280,8 @@ def beating(run_dir: str | Path, rank: int, world_size: int, timeout_s: float,
             end_process: Callable[[], NoReturn]) -> Iterator[Heartbeat]:
     """This rank's :class:`Heartbeat` for the block.
 
-    - Ends the process as a hang on a collective's timeout raised in the block, or on any error once a
-      hang is declared (the broken group fails the other ranks' collectives too).
-    """
+    Ends the process as a hang on a collective's timeout raised in the block, or on any error once a hang is
+    declared (the broken group fails the other ranks' collectives too)."""
     global _current
     beat = Heartbeat(run_dir, rank, world_size, timeout_s, end_process)
     beat.start()

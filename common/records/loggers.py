@@ -42,9 +42,8 @@ def read_metrics_file(path: Path) -> list[dict[str, Any]]:
 class MetricsFile:
     """``metrics.jsonl``: ``{"step": s, "time": unix seconds, "<name>": value, ...}`` per line.
 
-    - Opening it drops lines after ``resume_step`` (written by a killed segment after its last
-      checkpoint), as TensorBoard's ``purge_step`` does, so each step is logged once.
-    """
+    Opening it drops lines after ``resume_step`` (written by a killed segment after its last checkpoint), as
+    TensorBoard's ``purge_step`` does, so each step is logged once."""
 
     def __init__(self, path: Path, resume_step: int) -> None:
         self.path = path

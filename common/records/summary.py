@@ -1,8 +1,7 @@
 """``summary.json``: what a finished run reports, and the digest that says two runs ended the same.
 
-- ``model_digest`` (:func:`state_digest`): the same for two runs with the same config and seed on the
-  same machine, whether or not one was interrupted and resumed.
-"""
+``model_digest`` (:func:`state_digest`): the same for two runs with the same config and seed on the same machine,
+whether or not one was interrupted and resumed."""
 
 from __future__ import annotations
 

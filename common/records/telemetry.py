@@ -37,8 +37,7 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
 def peak_tflops(device_name: str, precision: str, tf32: bool) -> float | None:
     """The dense peak TFLOP/s of the GPU named ``device_name``, or None when unknown.
 
-    - ``precision``: ``fp32``, ``bf16`` or ``fp16``; ``tf32``: fp32 matmuls run on TF32 tensor cores.
-    """
+    ``precision``: ``fp32``, ``bf16`` or ``fp16``; ``tf32``: fp32 matmuls run on TF32 tensor cores."""
     kind = "bf16" if precision in ("bf16", "fp16") else "tf32" if tf32 else "fp32"
     return next((peaks[kind] for pattern, peaks in PEAK_TFLOPS if re.search(pattern, device_name)), None)
 
@@ -145,8 +144,7 @@ class StepTelemetry:
                group: dist.ProcessGroup | None) -> dict[str, float]:
         """The metrics of the steps since the last log; starts a new window.
 
-        - Collective when ``world_size > 1``: gathers each rank's figures over ``group`` (host tensors).
-        """
+        Collective when ``world_size > 1``: gathers each rank's figures over ``group`` (host tensors)."""
         now = time.perf_counter()
         elapsed = now - self._start
         training = max(elapsed - self._excluded, 1e-9)

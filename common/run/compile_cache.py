@@ -68,8 +68,7 @@ def _default_folder(key: str) -> Path:
 class CompileCache:
     """This process's compile cache folder, and its archive in checkpoints (see the module).
 
-    - Make it before the first compiled call: it points Inductor at the folder (``TORCHINDUCTOR_CACHE_DIR``).
-    """
+    Make it before the first compiled call: it points Inductor at the folder (``TORCHINDUCTOR_CACHE_DIR``)."""
 
     def __init__(self, fields: dict[str, str]) -> None:
         self.fields = fields
@@ -119,8 +118,7 @@ class CompileCache:
     def restore(self, loaded: LoadedCheckpoint) -> str:
         """Unpack ``loaded``'s compile cache into the folder; returns the line that says what happened.
 
-        - None in the checkpoint, one made for another key, or a damaged one: the run compiles afresh.
-        """
+        None in the checkpoint, one made for another key, or a damaged one: the run compiles afresh."""
         entry = loaded.attachments.get(ARCHIVE_FILE)
         where = f"the compile cache in {loaded.path.name}"
         if entry is None:

@@ -52,8 +52,7 @@ def device_description(device: torch.device, world_size: int) -> str:
 def communicates_in_forward(model: nn.Module) -> bool:
     """Whether ``model``'s forward or backward passes make collective calls of their own.
 
-    - FSDP2's gathers, ``nn.SyncBatchNorm``, or a module that sets ``collective_in_forward = True``.
-    """
+    FSDP2's gathers, ``nn.SyncBatchNorm``, or a module that sets ``collective_in_forward = True``."""
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(module, (FSDPModule, nn.SyncBatchNorm)) or getattr(module, "collective_in_forward", False)
@@ -107,9 +106,8 @@ def check_can_halve(model: nn.Module) -> None:
 def drop_gradients(model: nn.Module) -> None:
     """Forget the gradients a failed step accumulated.
 
-    - Under FSDP2 also its unsharded gradients, gathered weights and per-iteration state, through
-      ``FSDPModule.reset_iter_state`` (PyTorch's recovery after an error in forward or backward; torch >= 2.14).
-    """
+    Under FSDP2 also its unsharded gradients, gathered weights and per-iteration state, through
+    ``FSDPModule.reset_iter_state`` (PyTorch's recovery after an error in forward or backward; torch >= 2.14)."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):

@@ -44,8 +44,7 @@ def open_storage(storage: str) -> Any:
 def make_pruner(spec: dict[str, Any]) -> Any:
     """The Optuna pruner ``{"name": <one of PRUNERS>, <its options>...}`` describes.
 
-    - Raises a one-line :class:`UserError` for a bad name or option.
-    """
+    Raises a one-line :class:`UserError` for a bad name or option."""
     import optuna
 
     options = dict(spec)
@@ -94,8 +93,7 @@ class SearchTrial:
     def report(self, metrics: dict[str, float], epoch: int, is_main: bool) -> bool:
         """Report the objective among ``metrics`` at epoch ``epoch``; True when the pruner stops this trial.
 
-        - Collective: every rank calls it, rank 0 decides. ``UserError`` when the objective is missing.
-        """
+        Collective: every rank calls it, rank 0 decides. ``UserError`` when the objective is missing."""
         if self.metric not in metrics:
             raise UserError(f"the search's objective {self.metric} is not among this evaluation's metrics "
                             f"({', '.join(sorted(metrics))}); set objective.metric in the search space")

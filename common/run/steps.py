@@ -102,8 +102,7 @@ class MicroBatches:
 class StepPlan:
     """The optimizer steps of a run: ``accumulate`` micro-batches of ``micro_batch`` samples per rank a step.
 
-    - ``per_epoch`` steps make an epoch, ``total`` the run (``max_steps`` caps it); ``tail``: :class:`EpochTail`.
-    """
+    ``per_epoch`` steps make an epoch, ``total`` the run (``max_steps`` caps it); ``tail``: :class:`EpochTail`."""
 
     def __init__(self, sampler: ResumableDistributedSampler, micro_batch: int, accumulate: int, world_size: int,
                  epochs: int, max_steps: int = 0, tail: EpochTail = EpochTail.keep) -> None:
