@@ -7,12 +7,8 @@
   downloaded on its own), holding ``AtomicDirectory_checkpoint_<N>`` directories;
 - one checkpoint directory (``AtomicDirectory_checkpoint_<N>[_force]``).
 
-Facts:
-
-- The config is the run's own ``.hydra/config.yaml``, else the copy in the checkpoints' manifests,
-  checked against the recipe's schema as the code is now, overrides on top (``data.root=...`` for a
-  moved run, ``checkpoint.dir=...`` for checkpoints kept apart).
-- Nothing here writes into the run or its checkpoints: a run still training can be read.
+The config is the run's own (``.hydra/config.yaml``, else the checkpoints' copy), checked against the
+recipe's schema as it is now, overrides on top. Nothing here writes: a run still training can be read.
 """
 
 from __future__ import annotations
@@ -62,10 +58,7 @@ class TrainedRun:
 
     @property
     def run_dir(self) -> Path:
-        """Where files about the run go: the run directory, or the checkpoint folder that came alone.
-
-        ``run_dir=`` among the overrides puts them elsewhere.
-        """
+        """Where files about the run go: the run directory, the checkpoint folder that came alone, or ``run_dir=``."""
         return Path(self.cfg.run_dir)
 
 
@@ -115,8 +108,7 @@ def _saved_config(folder: Path) -> dict[str, Any]:
 
 
 def _run_config(saved: Any, run_dir: Path, checkpoint_dir: Path | None, overrides: Sequence[str]) -> DictConfig:
-    """``saved`` checked against its recipe's schema, ``run_dir`` (and ``checkpoint.dir``) set to where
-    the run is now, then ``overrides`` (``key=value``) applied."""
+    """``saved`` checked against its recipe's schema, relocated to ``run_dir`` (and ``checkpoint_dir``), overridden."""
     recipe = saved.get("recipe") if hasattr(saved, "get") else None
     if not isinstance(recipe, str):
         raise UserError(f"the config of {run_dir} names no recipe")
@@ -185,11 +177,9 @@ def _consolidated_shards(sharded: Path, key: str = "model") -> dict[str, torch.T
 
 
 def checkpoint_weights(checkpoint: Path, state: dict[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], str]:
-    """The weights a checkpoint offers for use elsewhere, whole, on the CPU, and which they are.
+    """A checkpoint's weights for use elsewhere, whole on the CPU: the EMA (``"ema"``) if kept, else ``"model"``.
 
-    - Returns the EMA (``"ema"``) when the recipe keeps one, else the model's (``"model"``), FSDP
-      shards consolidated.
-    - ``state``: the checkpoint's ``state.pt`` if already read.
+    ``state``: the checkpoint's ``state.pt`` if already read.
     """
     state = read_state(checkpoint) if state is None else state
     ema = state.get("extra", {}).get("ema")

@@ -302,7 +302,8 @@ def autocontrast(pixels: torch.Tensor) -> torch.Tensor:
 
 def equalize(pixels: torch.Tensor) -> torch.Tensor:
     """torchvision's ``equalize`` of uint8 images (PIL's lookup table), each channel on its own.
-    The cumulative histogram comes from sorting and ``searchsorted``, deterministic on CUDA."""
+
+    The cumulative histogram comes from sorting and ``searchsorted``: deterministic on CUDA."""
     values = pixels.flatten(start_dim=-2)  # [B, 3, H*W]
     cumulative = torch.searchsorted(values.sort(dim=-1).values.contiguous(),
                                     torch.arange(256.0, device=pixels.device).expand(*values.shape[:-1], 256)

@@ -176,12 +176,10 @@ def read_headers(paths: Sequence[str], workers: int, what: str) -> tuple[np.ndar
 
 def build(root: Path, names: Sequence[str], labels: np.ndarray, watched: Sequence[str], workers: int,
           what: str, **info: Any) -> FileIndex:
-    """The list of ``names`` (relative to ``root``) with their headers read.
+    """The list of ``names`` (relative to ``root``) with their headers read; ``info`` is kept with it.
 
-    - ``watched``: folders and files relative to ``root`` whose mtimes the list is checked against; taken
-      before the headers are read, so a change made meanwhile shows at the next start.
-    - ``info``: kept with the list (classes, counts...).
-    """
+    ``watched``: folders and files under ``root`` the list is checked against, stat-ed before the headers are
+    read, so a change made meanwhile shows at the next start."""
     watched_now = watch(root, watched)
     encoded = [name.encode() for name in names]
     widths, heights, decodable = read_headers([str(root / name) for name in names], workers, what)

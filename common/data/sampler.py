@@ -20,9 +20,7 @@ from torch.utils.data import Sampler
 class ResumableDistributedSampler(Sampler):
     """Rank ``rank`` of ``world_size``'s share of ``num_samples`` indices (see the module).
 
-    - Raises ``ValueError`` for an empty dataset or a rank outside the world.
-    - :meth:`state_dict` / :meth:`load_state_dict` carry the position across a resume.
-    """
+    Raises ``ValueError`` for an empty dataset or a rank outside the world."""
 
     def __init__(
         self,

@@ -1,5 +1,6 @@
-"""Optimizer helpers every recipe wants: batch-size bookkeeping, LR scaling, no weight decay on norms
-and biases, warmup + cosine and step schedules (plain ``LambdaLR``: they resume with the scheduler's state)."""
+"""Optimizer helpers every recipe wants: batch-size bookkeeping, LR scaling, weight-decay groups, LR schedules.
+
+The schedules are plain ``LambdaLR``s: they resume exactly with the scheduler's state."""
 
 from __future__ import annotations
 

@@ -113,8 +113,7 @@ def read_heartbeats(run_dir: str | Path, world_size: int | None = None) -> list[
 def clear(run_dir: str | Path) -> None:
     """Forget an earlier launch's heartbeats, hang declaration and report; stacks stay (a new hang appends).
 
-    Called by rank 0, holding the run's lock, before any rank of this launch starts its heartbeat.
-    """
+    Rank 0 calls it, holding the run's lock, before any rank of this launch starts its heartbeat."""
     for path in (Path(run_dir) / HEARTBEAT_DIR).glob("rank*.json"):
         path.unlink(missing_ok=True)
     for name in (_DECLARED_FILE, REPORT_FILE):
@@ -130,10 +129,9 @@ def launcher_hang_line(run_dir: str | Path) -> str:
 
 def hang_line(beats: list[dict[str, Any] | None], timeout_s: float, run_dir: str | Path,
               now: float | None = None) -> str:
-    """The one line a hang is reported with: the ranks that did not arrive (no ``waited`` heartbeat).
+    """The one line a hang is reported with: each rank that did not arrive, its host, pid, phase and step.
 
-    - Each missing rank is named with its host, pid, last phase and step.
-    - "silent for N s" is judged by this host's clock: it needs the hosts' clocks to agree to a few seconds.
+    "silent for N s" is judged by this host's clock: the hosts' clocks must agree to a few seconds.
     """
     now = time.time() if now is None else now
     missing = []
@@ -199,8 +197,7 @@ class Heartbeat:
         self._thread.join()
 
     def write(self) -> None:
-        """The heartbeat file, replaced whole (a reader never sees half of it); a failed write is
-        skipped, the next one tries again."""
+        """Replace the heartbeat file whole (a reader never sees half of it); a failed write is skipped."""
         phase, since = self.where
         record = {"rank": self.rank, "world_size": self.world_size, "host": self.host, "pid": os.getpid(),
                   "step": self.step, "phase": phase, "phase_since": since, "time": time.time(),
@@ -241,7 +238,8 @@ class Heartbeat:
 
     def hung(self, how: str, error: BaseException | None = None) -> NoReturn:
         """Take part in a hang (``how``: :data:`WAITED` or :data:`STOPPED`) and end the process.
-        Once per process: a second caller (the other thread) waits for the first to end it."""
+
+        Once per process: a second caller (the other thread) blocks until the first ends it."""
         if not self._handling.acquire(blocking=False):
             threading.Event().wait()
         self.hang = how
@@ -265,8 +263,7 @@ class Heartbeat:
             out.write(json.dumps(record))
 
     def _settle(self) -> list[dict[str, Any] | None]:
-        """The heartbeats once every rank has said how it took part in the hang, or at the deadline
-        (a rank that is frozen or gone never says)."""
+        """The heartbeats once every rank has said how it took part, or at the deadline (a frozen rank never says)."""
         deadline = time.monotonic() + min(self.timeout_s, _SETTLE_S) + 2 * self.interval_s
         while True:
             beats = read_heartbeats(self.run_dir, self.world_size)

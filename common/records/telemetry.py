@@ -53,8 +53,7 @@ def device_peak_flops(device: torch.device, precision: str) -> float | None:
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """The total 2-norm of the gradients before clipping; clips them to ``max_norm`` when it is > 0.
 
-    - DTensor gradients (FSDP2's shards) give the whole model's norm as a DTensor (read it with :func:`as_float`).
-    - No host sync.
+    No host sync. FSDP2's DTensor gradients give the whole model's norm as a DTensor (read with :func:`as_float`).
     """
     parameters = list(parameters)
     if max_norm > 0:
@@ -110,9 +109,8 @@ class StepTelemetry:
     def batches(self, micro_batches: Iterable[Any]) -> Iterator[Any]:
         """``micro_batches``, timing how long each takes to come.
 
-        The iterator is made here, at once: a DataLoader draws its workers' seed from torch's global
-        generator then, and inside a step's ``seeded_global_rng`` that draw would break exact resume.
-        """
+        The iterator is made now: a DataLoader seeds its workers from torch's global generator when it is
+        made, and inside a step's ``seeded_global_rng`` that draw would break exact resume."""
         return self._timed(iter(micro_batches))
 
     def _timed(self, source: Iterator[Any]) -> Iterator[Any]:
