@@ -114,7 +114,7 @@ doctor: $(STAMP) ## Check this machine as cluster/launch.sh would: Python env, G
 	$(PY) -m cluster.doctor $(ARGS)
 
 isc-rehearse: $(STAMP) ## Rehearse an ISC experiment with its artifact sync: RECIPE=r [CYCLES=5] [CYCLE_S=90] [SYNC_S=600] [ARGS="--data DIR -- overrides"]
-	$(PY) -m cluster.isc.rehearse "cluster/isc/$(RECIPE).isc" --cycles "$(or $(CYCLES),5)" --cycle-seconds "$(or $(CYCLE_S),90)" \
+	$(PY) -m tools.isc_rehearse "cluster/isc/$(RECIPE).isc" --cycles "$(or $(CYCLES),5)" --cycle-seconds "$(or $(CYCLE_S),90)" \
 		$(if $(SYNC_S),--sync-seconds "$(SYNC_S)") $(ARGS)
 
 clean: ## Remove runs/, outputs/ and caches (keeps data/ and .venv)
