@@ -95,7 +95,7 @@ bench: $(STAMP) ## Measure loop overhead, checkpoint stall and throughput; write
 	$(PY) -m benchmarks.run $(ARGS)
 
 # gpu-check takes .venv's Python where there is one, else python3: a GPU machine's own Python with the
-# wheels the README names (no make setup there; gpu-check names what is missing in one line).
+# wheels docs/benchmarks.md names (no make setup there; gpu-check names what is missing in one line).
 GPU_CHECK_PY = $(if $(wildcard $(PY)),$(PY),python3)
 
 gpu-check: FORCE ## Every GPU check and figure in one command, recorded in benchmarks/RESULTS.md (ARGS=--quick: checks only; DEVICE=cpu: tiny)
