@@ -510,14 +510,14 @@ def test_a_search_on_the_isc_goes_on_across_cycles_from_what_the_isc_ships(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The command of cluster/isc/search/fashion_mnist.isc, locally. Cycle 1 ends with a SIGKILL of
     everything in the middle of trial 0; the ISC's sync ships what it ships (the model of
-    cluster/isc/rehearse.py: each saver's latest checkpoint and the _force directories); cycle 2
+    tools/isc_rehearse.py: each saver's latest checkpoint and the _force directories); cycle 2
     starts at other paths, from the restored checkpoint artifact and an empty Lossy folder, and
     the search finishes: trial 0 resumed from the shipped checkpoint to the uninterrupted run's
     digest, then trial 1, nothing counted twice."""
     import shutil
     import tomllib
 
-    from cluster.isc.rehearse import restore, sync_checkpoints
+    from tools.isc_rehearse import restore, sync_checkpoints
 
     fields = tomllib.loads(SEARCH_ISC.read_text())
     assert {"isc_project_id", "experiment_name", "gpus", "compute_mode", "dataset_id_list", "command"} == set(fields)

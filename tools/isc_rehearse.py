@@ -1,6 +1,6 @@
 """Rehearse an ISC experiment on this machine, with the ISC's artifact sync, before spending cycles on it.
 
-    python -m cluster.isc.rehearse cluster/isc/<recipe>.isc [--cycles 5] [--cycle-seconds 90[,90,...]]
+    python -m tools.isc_rehearse cluster/isc/<recipe>.isc [--cycles 5] [--cycle-seconds 90[,90,...]]
         [--sync-seconds 600] [--data DIR] [--nproc N] [--work-dir DIR] [-- extra hydra overrides]
     make isc-rehearse RECIPE=<recipe> [CYCLES=5] [CYCLE_S=90] [ARGS="--data DIR -- overrides"]
 
@@ -46,10 +46,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from cluster.processes import kill_tree
 from common.errors import EXIT_USER_ERROR, UserError
+from tools.processes import kill_tree
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 REQUIRED_KEYS = {"isc_project_id": str, "experiment_name": str, "gpus": int, "command": str}
 # What each documented compute_mode means on the ISC; an absent compute_mode is "cycle", the documented default.
 COMPUTE_MODES = {
@@ -411,7 +411,7 @@ def _finished_summary(run_dir: Path, lossy: Path, store: Path, cycles: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cluster.isc.rehearse", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m tools.isc_rehearse", description=__doc__.splitlines()[0],
                                      epilog="Extra hydra overrides for the command go after --.")
     parser.add_argument("isc_file", type=Path)
     parser.add_argument("--cycles", type=int, default=5, help="cycles killed with SIGKILL before the final one")

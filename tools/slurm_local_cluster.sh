@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Start or stop a real SLURM cluster on this machine (for tests, demos, and trying multi-node jobs).
 #
-#   cluster/slurm/local_cluster.sh start [--nodes N] <state_dir>  # last stdout line: export SLURM_CONF=...
-#   cluster/slurm/local_cluster.sh stop   <state_dir>
-#   cluster/slurm/local_cluster.sh status <state_dir>
-#   cluster/slurm/local_cluster.sh exec   <state_dir> <node> <command...>   # run a command on a node
-#   cluster/slurm/local_cluster.sh check  [--nodes N]                       # can this machine run one?
+#   tools/slurm_local_cluster.sh start [--nodes N] <state_dir>  # last stdout line: export SLURM_CONF=...
+#   tools/slurm_local_cluster.sh stop   <state_dir>
+#   tools/slurm_local_cluster.sh status <state_dir>
+#   tools/slurm_local_cluster.sh exec   <state_dir> <node> <command...>   # run a command on a node
+#   tools/slurm_local_cluster.sh check  [--nodes N]                       # can this machine run one?
 #
-#   eval "$(sudo cluster/slurm/local_cluster.sh start /tmp/slurm)" && sbatch --wrap 'hostname'
-#   eval "$(sudo cluster/slurm/local_cluster.sh start --nodes 2 /tmp/slurm2)" && sinfo
+#   eval "$(sudo tools/slurm_local_cluster.sh start /tmp/slurm)" && sbatch --wrap 'hostname'
+#   eval "$(sudo tools/slurm_local_cluster.sh start --nodes 2 /tmp/slurm2)" && sinfo
 #
 # One node (the default): slurmctld and one slurmd on 127.0.0.1, the node named after this host.
 #
@@ -386,13 +386,13 @@ write_conf() {
     [[ $mem =~ ^[0-9]+$ && $mem -gt 0 ]] || mem=1024
     if ((NODES == 1)); then
         cat >"$CONF" <<EOF
-# Written by cluster/slurm/local_cluster.sh: a one-node test cluster on 127.0.0.1.
+# Written by tools/slurm_local_cluster.sh: a one-node test cluster on 127.0.0.1.
 ClusterName=localtest
 SlurmctldHost=$NODE(127.0.0.1)
 EOF
     else
         cat >"$CONF" <<EOF
-# Written by cluster/slurm/local_cluster.sh: $NODES nodes, each slurmd in its own network,
+# Written by tools/slurm_local_cluster.sh: $NODES nodes, each slurmd in its own network,
 # UTS and mount namespace on $SUBNET.0/24; slurmctld on this host's bridge address.
 ClusterName=localtest
 SlurmctldHost=$CTLD_HOST($SUBNET.1)
