@@ -27,7 +27,7 @@ import torch
 import torchvision
 
 from benchmarks.results import Result
-from common.checkpoint import CheckpointManager
+from common.checkpoint.manager import CheckpointManager
 from common.pytorch.rng import rng_state
 from common.run.training_run import Progress
 

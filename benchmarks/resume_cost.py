@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from benchmarks.results import Result
-from common.checkpoint import CheckpointManager
+from common.checkpoint.manager import CheckpointManager
 from common.run.compile_cache import ARCHIVE_FILE, CACHE_DIR_VARIABLE
 from tools.tiny_data import write_cifar100_tarball, write_fashion_mnist
 

@@ -135,7 +135,7 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    # On the ISC, CHECKPOINT_ARTIFACT_PATH is where checkpoints must go (layout: common/checkpoint.py).
+    # On the ISC, CHECKPOINT_ARTIFACT_PATH is where checkpoints must go (layout: common/checkpoint/layout.py).
     dir: str = "${oc.env:CHECKPOINT_ARTIFACT_PATH,${run_dir}/checkpoints}"
     every_steps: int = 0  # 0 = not by step count
     every_seconds: float = 30.0  # wall clock; the ISC interrupts every 90 s in rapid cycling

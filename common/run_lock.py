@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.checkpoint import ARTIFACT_PATH_VARIABLE
+from common.checkpoint.layout import ARTIFACT_PATH_VARIABLE
 from common.errors import EXIT_USER_ERROR
 
 LOCK_FILE = ".run.lock"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from common.checkpoint import STATE_FILE, committed_checkpoints, latest_checkpoint
+from common.checkpoint.layout import STATE_FILE, committed_checkpoints, latest_checkpoint
 from common.entry import exit_process
 from common.pytorch import distributed
 from common.pytorch.distributed import free_port

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import STATE_FILE, latest_checkpoint
+from common.checkpoint.layout import STATE_FILE, latest_checkpoint
 from common.errors import EXIT_PREEMPTED
 from common.records.loggers import METRICS_FILE, read_metrics_file
 from tests.conftest import REPO, assert_ok, kill_run, read_summary, recipe_env, run_recipe, start_recipe

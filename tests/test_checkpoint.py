@@ -14,15 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import (
-    KEEP_ALL,
+from common.checkpoint.layout import (
     CheckpointError,
-    CheckpointManager,
     checkpoint_dirs,
     committed_checkpoints,
     latest_checkpoint,
     latest_name,
 )
+from common.checkpoint.manager import KEEP_ALL, CheckpointManager
 from common.errors import UserError
 from tests.conftest import REPO
 
@@ -196,8 +195,9 @@ def test_a_folder_of_the_older_layout_is_refused_not_restarted(tmp_path: Path) -
 # the test SIGKILLs the process there. keep_last=1, so that save also deletes step 2's directories.
 CRASHING_SAVER = textwrap.dedent("""
     import os, shutil, sys, threading, torch
-    import common.checkpoint as checkpoint_module
-    from common.checkpoint import CheckpointManager
+    import common.checkpoint.manager as manager_module
+    import common.checkpoint.writer as checkpoint_module
+    from common.checkpoint.manager import CheckpointManager
 
     folder, phase = sys.argv[1], sys.argv[2]
     saves = 0
@@ -232,7 +232,7 @@ CRASHING_SAVER = textwrap.dedent("""
             os.remove(os.path.join(path, "state.pt"))
             stop_here()
         return real_rmtree(path, *args, **kwargs)
-    checkpoint_module.shutil.rmtree = rmtree_one_file_then_stop
+    manager_module.shutil.rmtree = rmtree_one_file_then_stop
 
     manager = CheckpointManager(folder, keep_last=1)
     for step in range(1, 10):

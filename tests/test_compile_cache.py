@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint, read_attachment
+from common.checkpoint.layout import CheckpointError, read_attachment
+from common.checkpoint.manager import CheckpointManager, LoadedCheckpoint
 from common.run import compile_cache
 from common.run.compile_cache import (
     ARCHIVE_FILE,

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import STATE_FILE, CheckpointManager, best_checkpoint, committed_checkpoints, improves
+from common.checkpoint.layout import STATE_FILE, best_checkpoint, committed_checkpoints, improves
+from common.checkpoint.manager import CheckpointManager
 from common.errors import EXIT_DIVERGED
 from common.jsonfiles import NON_FINITE_KEY, dumps, write_json
 from common.pytorch.metrics import SumMetrics

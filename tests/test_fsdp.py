@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from common.after_training.trained import read_state
-from common.checkpoint import committed_checkpoints
+from common.checkpoint.layout import committed_checkpoints
 from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe
 from tests.test_dinov2_fsdp import copy_checkpoints_up_to, sharded_tensors
 from tests.trained_runs import TINY, fungi_data, imagenet_data

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from common.checkpoint import KEEP_ALL, CheckpointManager, checkpoint_dirs, committed_checkpoints
+from common.checkpoint.layout import checkpoint_dirs, committed_checkpoints
+from common.checkpoint.manager import KEEP_ALL, CheckpointManager
 from common.errors import UserError
 from tests.conftest import assert_ok, kill_run, latest_step, read_summary, recipe_env, run_recipe, start_recipe
 from tests.resume import paused_env, wait_for_pause

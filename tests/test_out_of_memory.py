@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.checkpoint import LATEST, committed_checkpoints
+from common.checkpoint.layout import LATEST, committed_checkpoints
 from common.pytorch.distributed import DistInfo
 from tests.conftest import spawn_ranks
 from tests.recipe_probe import Configs, Probe, probe, tiny_settings

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.checkpoint import CheckpointManager, committed_checkpoints
+from common.checkpoint.layout import committed_checkpoints
+from common.checkpoint.manager import CheckpointManager
 from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
 from common.pytorch.distributed import DistInfo

@@ -2,7 +2,7 @@
 that rise, fall, plateau and are NaN: early stopping's patience (which restarts after every
 improvement), the best checkpoint (``_force`` for every new best, not only the first value; the
 one ``summary.json`` names), retention (the ``keep_last`` newest steps and the best), and the
-evaluation cadence. One rule decides "better" for all of them (``common.checkpoint.improves``):
+evaluation cadence. One rule decides "better" for all of them (``common.checkpoint.layout.improves``):
 strictly better in the metric's direction, and never NaN.
 
 Each test trains a tiny run of one step per epoch through :class:`~common.run.training_run.TrainingRun` as a
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import CheckpointManager, committed_checkpoints
+from common.checkpoint.layout import committed_checkpoints
+from common.checkpoint.manager import CheckpointManager
 from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.distributed import DistInfo
 from common.pytorch.metrics import SumMetrics

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from common.checkpoint import CheckpointManager
+from common.checkpoint.manager import CheckpointManager
 from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.distributed import DistInfo
 from common.pytorch.metrics import SumMetrics, ratio

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from common import jsonfiles
 from common.after_training.trained import LATEST, TrainedRun, checkpoint_weights, open_run, read_state
-from common.checkpoint import MANIFEST_FILE
+from common.checkpoint.layout import MANIFEST_FILE
 from common.config import plain_config
 from common.entry import CONFIG_ERRORS, config_error_line, exit_after, fail, recipe_schema, user_message
 from common.errors import UserError

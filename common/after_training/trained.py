@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from common.checkpoint import (
+from common.checkpoint.layout import (
     CHECKPOINT_DIR,
     MANIFEST_FILE,
     NAME,

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from common.checkpoint import LATEST
+from common.checkpoint.layout import LATEST
 from common.jsonfiles import write_json
 
 SUMMARY_FILE = "summary.json"

@@ -1,12 +1,12 @@
 """Compiled code that survives restarts: ``torch.compile``'s caches travel inside the checkpoint.
 
 - Each process compiles into a local Inductor cache folder named by :func:`cache_key`; rank 0
-  attaches a tar of it to every checkpoint (``compile_cache.tar``, a :class:`common.checkpoint.Attachment`).
+  attaches a tar of it to every checkpoint (``compile_cache.tar``, a :class:`common.checkpoint.layout.Attachment`).
 - A resumed process unpacks the archive of the checkpoint it loads before its first compiled step,
   so a requeue on another node or the next ISC cycle skips Inductor.
 - An archive for another key, or a damaged one, is ignored with one line.
 - Why not ``torch.compiler.save_cache_artifacts()``: on a CPU it leaves the compiled C++ kernels out
-  (figures: benchmarks/RESULTS.md, issue 26). The key: README "Heartbeats, hangs and compiled code".
+  (figures: benchmarks/RESULTS.md, issue 26). The key: docs/run-contract.md, "Heartbeats, hangs and compiled code".
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from common.checkpoint import Attachment, CheckpointError, LoadedCheckpoint, read_attachment
+from common.checkpoint.layout import Attachment, CheckpointError, read_attachment
+from common.checkpoint.manager import LoadedCheckpoint
 from common.records.provenance import cpu_model
 
 ARCHIVE_FILE = "compile_cache.tar"

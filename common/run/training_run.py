@@ -33,14 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.checkpoint import (
-    KEEP_ALL,
-    CheckpointManager,
-    LoadedCheckpoint,
-    improves,
-    is_artifact_path,
-    latest_checkpoint,
-)
+from common.checkpoint.layout import improves, is_artifact_path, latest_checkpoint
+from common.checkpoint.manager import KEEP_ALL, CheckpointManager, LoadedCheckpoint
 from common.config import ProfileConfig, RunConfig, config_record
 from common.data.sampler import ResumableDistributedSampler
 from common.errors import EXIT_DIVERGED, Diverged, Preempted, UserError
@@ -547,7 +541,7 @@ class TrainingRun:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-            from common.checkpoint import SHARDED_DIR
+            from common.checkpoint.layout import SHARDED_DIR
 
             shards = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
             dcp.load(shards, checkpoint_id=str(loaded.path / SHARDED_DIR))

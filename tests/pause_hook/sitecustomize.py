@@ -48,8 +48,8 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
     import time
     from pathlib import Path
 
-    import common.checkpoint as checkpoint_module
-    from common.checkpoint import CheckpointManager
+    import common.checkpoint.writer as checkpoint_module
+    from common.checkpoint.manager import CheckpointManager
     from common.run.training_run import StopSignals
 
     PAUSE_AT = int(os.environ["PAUSE_AT_STEP"])

@@ -37,7 +37,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from common.checkpoint import LATEST, MANIFEST_FILE, checkpoint_dirs
+from common.checkpoint.layout import LATEST, MANIFEST_FILE, checkpoint_dirs
 from common.jsonfiles import write_json
 
 SAVER = "search"  # the AtomicDirectory name of the journal's checkpoints
