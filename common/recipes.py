@@ -35,6 +35,11 @@ def _no_process_group_options(cfg: Any) -> dict[str, Any]:
     return {}
 
 
+def same_names(model_cfg: Any) -> list[tuple[str, str]]:
+    """``export_names`` of a model whose export keeps its own tensor names: no prefix renamed."""
+    return [("", "")]
+
+
 @dataclass(frozen=True, kw_only=True)
 class RecipeSpec:
     """What the shared tools call of a recipe (``cfg``: the recipe's schema, typed)."""
@@ -46,7 +51,7 @@ class RecipeSpec:
     pretrained weights a checkpoint replaces anyway."""
     splits: tuple[str, ...]  # the splits its data has; the first is the one training evaluates
     evaluator: Callable[[Any, DistInfo, str], Evaluate]  # ``(cfg, dist_info, split)``: data ready, model to come
-    export_names: Callable[[Any], list[tuple[str, str]]]
+    export_names: Callable[[Any], list[tuple[str, str]]] = same_names
     """``(model_cfg)``: ``(prefix in the model, prefix in an export)`` pairs, the export's names
     being those of the library the model comes from (timm, torchvision, transformers)."""
     head_names: Callable[[Any], list[str]]  # ``(model_cfg)``: the classifier's prefixes, in the model's names
