@@ -223,6 +223,7 @@ class RunConfig:
     init_from: str = ""
     init_skip_head: bool = False  # leave the classifier head out of init_from (when the classes differ)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 def plain_config(cfg: Any) -> Any:
