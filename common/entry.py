@@ -328,6 +328,7 @@ def recipe_main(spec: RecipeSpec, train: Callable[[Any, DistInfo], Any]) -> int:
       (each sweep job in its own ``run_dir``, the sweep's output directory).
     - Returns 0 when the run is done, 2 after a bad override's one line, a stop's code after its one
       line (:func:`report_stop`), or the code Hydra's own flags exit with (``--help`` 0).
+    - A hang ends the process from its heartbeat thread, with exit code 4 (:func:`_end_hung_process`).
     - Raises a bug's exception (a traceback, exit code 1), and a bad override's when the user set
       ``HYDRA_FULL_ERROR=1`` (Hydra's traceback).
     - Its caller ends the process with the code: ``exit_process(recipe_main(SPEC, train))``.
@@ -342,13 +343,13 @@ def recipe_main(spec: RecipeSpec, train: Callable[[Any, DistInfo], Any]) -> int:
             typed = typed_config(cfg)
             with training_process(typed, **spec.process_group(typed)) as dist_info:
                 train(typed, dist_info)
-        except RunStopped as stop:  # user error, divergence, hang, pre-emption: its line, out past Hydra with its code
+        except RunStopped as stop:  # user error 2, diverged 3, pre-empted 75: its line, out past Hydra as SystemExit
             raise SystemExit(report_stop(stop))
 
     register_schema(spec.schema)
     sys.argv = _with_resolve_for_cfg_job(sys.argv)  # @hydra.main reads its command line from sys.argv
     hydra_traces = os.environ.get("HYDRA_FULL_ERROR") == "1"  # the user asked for Hydra's traceback of a bad override
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's switch: raise its errors to here instead of printing them, exit 1
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's switch: it raises errors to here, not printing them and exiting 1
     try:
         hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=spec.schema.recipe)(run_task)()
     except SystemExit as end:  # a stop of run_task (its line printed), --help (0), a bad flag (argparse's usage, 2)
@@ -357,4 +358,4 @@ def recipe_main(spec: RecipeSpec, train: Callable[[Any, DistInfo], Any]) -> int:
         if hydra_traces or _raised_in(error, run_task):  # HYDRA_FULL_ERROR=1, or the recipe's own bug: traceback, 1
             raise
         return report_user_error(config_error_line(error))
-    return 0
+    return 0  # the run is done (under -m: every sweep job)
