@@ -220,8 +220,8 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "user-error-traceback", "common/entry.py",
-        "        except RunStopped as stop:\n            stop_run(stop)",
-        "        except RunStopped:\n            raise",
+        "            raise SystemExit(report_stop(stop))",
+        "            raise",
         ("tests/test_fashion_mnist.py::test_user_errors_are_one_line_and_exit_2",),
         "a missing data folder ends with a traceback instead of one line",
     ),

@@ -43,7 +43,6 @@ SPEC = RecipeSpec(
     model_as_trained=model_as_trained,
     splits=SPLITS,
     evaluator=evaluator,
-    export_names=lambda model_cfg: [("", "")],
     head_names=lambda model_cfg: [f"{name}." for name in timm_classifiers(model_cfg.name)],
     export_metadata=export_metadata,
     model_from_export=model_from_export,

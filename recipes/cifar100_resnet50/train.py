@@ -19,7 +19,7 @@ from common.after_training.evaluate import classification_scores, metric_prefix
 from common.data import cifar100
 from common.data.image_batches import Normalize
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main
+from common.entry import exit_process, recipe_main
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
@@ -158,4 +158,6 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(Cifar100ResNet50Config, train)  # overrides from the command line; train() in a training process
+    from recipes.cifar100_resnet50.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

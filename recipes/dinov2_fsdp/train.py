@@ -24,7 +24,7 @@ from common.after_training.evaluate import metric_prefix, model_outputs
 from common.data import cifar100
 from common.data.image_batches import Normalize, random_crop_and_flip
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main
+from common.entry import exit_process, recipe_main
 from common.errors import UserError
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, gradient_sync, on_device
@@ -243,4 +243,6 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(DinoV2FSDPConfig, train, process_group)  # overrides from the command line; train() in a process
+    from recipes.dinov2_fsdp.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

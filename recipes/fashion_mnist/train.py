@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from common.after_training.evaluate import classification_scores, metric_prefix
 from common.data.image_batches import random_crop_and_flip
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main
+from common.entry import exit_process, recipe_main
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
@@ -137,4 +137,6 @@ def train(cfg: FashionMNISTConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(FashionMNISTConfig, train)  # overrides from the command line; train() in a training process
+    from recipes.fashion_mnist.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

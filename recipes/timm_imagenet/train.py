@@ -35,7 +35,7 @@ from common.data.images import DeviceTrainInput, TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.data.staging import stage_directory
-from common.entry import recipe_main
+from common.entry import exit_process, recipe_main
 from common.errors import UserError
 from common.pytorch.activation_checkpointing import checkpoint_blocks, residual_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
@@ -273,4 +273,6 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(TimmImageNetConfig, train, process_group)  # overrides from the command line; train() in a process
+    from recipes.timm_imagenet.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

@@ -17,7 +17,7 @@ from common.after_training.evaluate import metric_prefix, model_outputs
 from common.data.image_batches import Normalize
 from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main
+from common.entry import exit_process, recipe_main
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
@@ -171,4 +171,6 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(TvSegmentationConfig, train)  # overrides from the command line; train() in a training process
+    from recipes.tv_segmentation.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process
