@@ -1,7 +1,7 @@
 """The entry point every recipe uses: Hydra's command line, the typed schema, one-line errors, exit codes.
 
 - ``python -m recipes.<r>.train [overrides]`` runs :func:`recipe_main`, alone or under torchrun.
-- Exit codes (``common/errors.py``, README "Exit codes"): 0 done, 2 user error or bad override,
+- Exit codes (``common/errors.py``, docs/run-contract.md, "Exit codes"): 0 done, 2 user error or bad override,
   3 diverged, 4 hung, 75 pre-empted (checkpoint written, run again to resume); 1 is a bug, with
   its traceback.
 - The run directory is the deterministic ``run_dir``: a restarted job finds its checkpoints.

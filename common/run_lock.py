@@ -7,7 +7,7 @@
 - A holder that is gone is taken over (:func:`stale_reason` says when) under a short-lived
   ``.run.lock.break`` file, so two launches cannot both take it; a holder whose lock was taken over
   exits 2 at once.
-- README "One run directory, one run".
+- docs/run-contract.md, "One run directory, one run".
 """
 
 from __future__ import annotations
@@ -188,7 +188,8 @@ class RunLock:
                 raise RunLockHeld(
                     f"{self.folder} is in use by another launch of this run ({holder.describe()}; last heartbeat "
                     f"{age:.0f} s ago): wait for it to end, or give this run another name= or run_dir= "
-                    f"(if that launch is gone, delete {self.path}; see README 'One run directory, one run')")
+                    f"(if that launch is gone, delete {self.path}; see docs/run-contract.md, "
+                    "'One run directory, one run')")
             if self._take_over(holder):
                 self.log(f"took over the lock of {self.folder} from {holder.describe()}: {reason}")
                 return self._start_heartbeat()

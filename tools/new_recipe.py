@@ -5,7 +5,7 @@ space ``conf/search/<from>.yaml``, ``data_prep/<from>.py``, ``tests/test_<from>*
 ``cluster/slurm/<from>.sbatch`` and ``cluster/isc/<from>.isc`` (every recipe has both, and the
 suite checks that), renaming the recipe everywhere in them (module paths, config and schema
 names, class-name prefixes), so the copy's tests pass as they are. The whole suite then asks for
-checks of the new schema's keys (``tests/test_config_keys.py``, README "Adding a recipe"). Nothing
+checks of the new schema's keys (``tests/test_config_keys.py``, docs/adding-a-recipe.md). Nothing
 existing is overwritten.
 """
 

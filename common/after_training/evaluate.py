@@ -5,7 +5,7 @@
 
 - The recipe comes from the run's own config (``common/after_training/trained.py``); its ``SPEC``
   (``recipes/<recipe>/spec.py``) builds the model and evaluates the split as training does.
-- README "After training".
+- docs/after-training.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
   file as it is), FSDP shards consolidated, the EMA where the recipe keeps one.
 - ``metadata.json`` holds what rebuilding needs and where the weights came from; :func:`load_export`
   rebuilds the model from the folder alone, and the export reads itself back so before it reports success.
-- Recipe-specific parts come from the recipe's ``SPEC`` (``recipes/<recipe>/spec.py``). README "After training".
+- Recipe-specific parts come from the recipe's ``SPEC`` (``recipes/<recipe>/spec.py``). docs/after-training.md.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Checkpoint Artifacts ship): names, manifest, verification, and which checkpoint 
       AtomicDirectory_checkpoint_7/         state.pt, sharded/ (FSDP), compile_cache.tar, manifest.json
       AtomicDirectory.latest_checkpoint -> /abs/path/checkpoints/AtomicDirectory_checkpoint_7
 
-The symlink is the commit point; what a crash at each moment leaves, and what is kept: README
-"Outputs, resume and pre-emption" (the steps are in :meth:`common.checkpoint.manager.CheckpointManager.save`).
+The symlink is the commit point; what a crash at each moment leaves, and what is kept:
+docs/run-contract.md (the steps are in :meth:`common.checkpoint.manager.CheckpointManager.save`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 - :class:`DeviceTrainInput` does the float work once per batch on the device.
 - Every draw is seeded by :class:`common.data.loaders.PerSampleSeeded` from (seed, epoch, index), in
   timm's and torchvision's order: a resume sees the same images.
-- Figures and limits: README "Feeding a GPU from JPEG files".
+- Figures and limits: docs/data.md, "Decoding: feeding a GPU from JPEG files".
 """
 
 from __future__ import annotations

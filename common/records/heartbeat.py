@@ -5,7 +5,7 @@
 - A collective that waits longer than ``trainer.collective_timeout_s`` stops the run as hung: ranks
   append their stacks under ``hang/``, rank 0 prints :func:`hang_line` and every rank exits with
   :data:`~common.errors.EXIT_HUNG` without tearing down the broken process group.
-- The whole sequence, NCCL's flight recorder and the launcher's part: README "Heartbeats, hangs and
+- The whole sequence, NCCL's flight recorder and the launcher's part: docs/run-contract.md, "Heartbeats, hangs and
   compiled code".
 """
 

@@ -44,10 +44,11 @@ _CODE_DIR = Path(__file__).resolve().parents[2]  # the checkout whose code runs
 _GIT_TIMEOUT_S = 10.0  # for all of a segment's git calls together
 _SLURM_VARIABLES = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
                    "array_task_id": "SLURM_ARRAY_TASK_ID", "restart_count": "SLURM_RESTART_COUNT"}
-# What the Strong Compute ISC sets for an experiment (cluster/README.md; EXPERIMENT_ID as in its isc-demos).
+# What the Strong Compute ISC sets for an experiment (docs/clusters.md; EXPERIMENT_ID as in its isc-demos).
 ISC_VARIABLES = {"experiment_id": "EXPERIMENT_ID", "checkpoint_artifact_path": "CHECKPOINT_ARTIFACT_PATH",
                  "lossy_artifact_path": "LOSSY_ARTIFACT_PATH"}
-# What a bit-identical resume needs unchanged (trainer.deterministic; see README "When a resumed run is bit-identical").
+# What a bit-identical resume needs unchanged (trainer.deterministic; docs/run-contract.md, "When a resumed run is
+# bit-identical").
 _BIT_IDENTITY_FIELDS = ("device", "gpu", "driver", "torch", "cuda", "cudnn")
 _UNTRACKED_LISTED = 20  # untracked files named in a record, at most
 

@@ -1,7 +1,7 @@
 """What every training log reports beside the recipe's metrics: step time, data wait, grad norm, memory, MFU.
 
 - Metrics: ``train/step_s``, ``train/data_wait_frac``, ``train/grad_norm``, ``train/max_mem_gib``,
-  ``train/mfu`` and the slowest rank (README "What a run records" says what each means).
+  ``train/mfu`` and the slowest rank (docs/records.md says what each means).
 - Timed with the host's clock between logs; the device is read and ranks gathered only in
   :meth:`StepTelemetry.report`, on logging steps. Other steps make no host sync and no collective.
 """
