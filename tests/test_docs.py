@@ -1,4 +1,4 @@
-"""The docs say what is there: README.md, docs/*.md and cluster/README.md (which points into them).
+"""The docs say what is there: README.md, docs/*.md, the recipes' READMEs, cluster/README.md.
 
 Every relative link resolves to a file or folder of the repository, and every ``#anchor`` to a
 heading of the page it names, by MkDocs' slug (Python-Markdown's ``toc``), which must also be
@@ -26,7 +26,8 @@ import pytest
 from common.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "cluster" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "cluster" / "README.md", *sorted((REPO / "docs").glob("*.md")),
+        *sorted((REPO / "recipes").glob("*/README.md"))]
 RECIPES = sorted(p.parent.name for p in (REPO / "recipes").glob("*/train.py"))
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
