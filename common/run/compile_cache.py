@@ -1,13 +1,12 @@
 """Compiled code that survives restarts: ``torch.compile``'s caches travel inside the checkpoint.
 
-Each process compiles into a local Inductor cache folder named by :func:`cache_key`; rank 0
-attaches a tar of it to every checkpoint (``compile_cache.tar``, a
-:class:`common.checkpoint.Attachment`), and a resumed process unpacks the archive of the checkpoint
-it loads before its first compiled step, so a requeue on another node or the next ISC cycle skips
-Inductor. An archive for another key, or a damaged one, is ignored with one line. Not
-``torch.compiler.save_cache_artifacts()``: on a CPU it leaves the compiled C++ kernels out (19.5 s
-of a 43.5 s cold first step, against 2.6 s with the whole folder; benchmarks/RESULTS.md). Figures
-and the key: README "Heartbeats, hangs and compiled code".
+- Each process compiles into a local Inductor cache folder named by :func:`cache_key`.
+- Rank 0 attaches a tar of it to every checkpoint (``compile_cache.tar``); a resumed process
+  unpacks the one of the checkpoint it loads before its first compiled step.
+- An archive for another key, or a damaged one, is ignored with one line.
+- The whole folder, not ``torch.compiler.save_cache_artifacts()``, which leaves the CPU's C++
+  kernels out: figures in benchmarks/RESULTS.md ("Issue 26"); the key: README "Heartbeats, hangs
+  and compiled code".
 """
 
 from __future__ import annotations

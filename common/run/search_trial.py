@@ -1,18 +1,12 @@
-"""A run that is a trial of a hyperparameter search reports each evaluation to the study, and
-stops when the study's pruner says so.
+"""A run that is a trial of a hyperparameter search: reports each evaluation, stops when pruned.
 
-``python -m tools.search`` starts every trial as an ordinary run of the recipe, with
-:data:`_TRIAL_VARIABLE` naming the study's storage, the trial and the objective. The run contract
-(``common/run/training_run.py``) asks :meth:`SearchTrial.report` after each evaluation at an epoch's end, so
-every recipe can be pruned without code of its own; without the variable nothing changes.
-
-Rank 0 alone talks to the study (Optuna's storage: a journal file, or a database); the ranks
-agree on its answer through one broadcast. Values are reported by epoch, Optuna's ``step``: the
-pruners compare trials at the same step, and epochs line up across trials whatever their batch
-size, where optimizer steps would not. A resumed run counts epochs exactly as an uninterrupted
-one, so a trial resumed after pre-emption reports the same epochs (Optuna keeps the first value
-of a step and ignores a repeat). Optuna is imported only by a run that is a trial, so other runs
-start no slower.
+- ``python -m tools.search`` starts each trial as an ordinary run with :data:`_TRIAL_VARIABLE`
+  naming the study's storage, the trial and the objective; without it nothing changes.
+- :meth:`SearchTrial.report` runs after each epoch's evaluation (``TrainingRun.end_epoch``).
+- Rank 0 alone talks to the study; the ranks agree on its answer through one broadcast.
+- Values are reported by epoch (Optuna's ``step``), which lines up across batch sizes; a resumed
+  trial reports the same epochs (Optuna keeps a step's first value).
+- Optuna is imported only by a run that is a trial.
 """
 
 from __future__ import annotations

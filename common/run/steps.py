@@ -1,13 +1,12 @@
 """How an epoch's samples become optimizer steps: micro-batches, gradient accumulation, the epoch's tail.
 
-Every recipe walks an epoch the same way. The sampler hands this rank the rest of the epoch (all
-of it, or what a resumed run has left) in micro-batches of ``trainer.batch_size``; ``accumulate``
-micro-batches make one optimizer step, so that the global batch stays
-``trainer.global_batch_size`` on any number of ranks. Where an epoch does not divide evenly, each
-recipe says once, with an :class:`EpochTail`, what happens to its last samples; from that
-follow the steps an epoch has, the steps left after a resume, and when an epoch is done. These
-stay the config's when ``trainer.out_of_memory=halve`` makes the micro-batches smaller: each
-batch of ``trainer.batch_size`` samples is then cut in pieces (:class:`MicroBatches`).
+- The sampler hands this rank the rest of the epoch in micro-batches of ``trainer.batch_size``;
+  ``accumulate`` of them make one step, so the global batch is ``trainer.global_batch_size`` on
+  any number of ranks (:class:`StepPlan`).
+- Where an epoch does not divide evenly, each recipe says once what happens to its last samples
+  (:class:`EpochTail`); the steps per epoch, left after a resume, and an epoch's end follow.
+- With ``trainer.out_of_memory=halve`` each loaded batch is cut into smaller micro-batches
+  (:class:`MicroBatches`); the plan of steps stays the config's.
 """
 
 from __future__ import annotations
@@ -47,18 +46,16 @@ def compile_static(model: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class MicroBatches:
-    """The micro-batches of one optimizer step, taken from the epoch's iterator as they are used
-    (a DataLoader's batches are not held in memory all at once). ``len()`` is how many there are
-    and ``samples`` how many samples they hold on this rank, both known before the first. The
-    rank's heartbeat says whether it is waiting for one or working on it.
+    """The micro-batches of one optimizer step, taken from the epoch's iterator as they are used.
 
-    The iterator hands out batches of the plan's ``micro_batch`` samples (``loaded``: the sizes of
-    this step's); with a smaller ``size`` (set before the step starts) each is cut into micro-batches of ``size``
-    (``trainer.out_of_memory=halve``, ``common/run/out_of_memory.py``), and with ``keep`` the batches
-    taken are kept until the step ends, so :meth:`restart` can hand the same samples out again.
-    The loop runs the step inside ``with group:``, which hands an error to ``on_error`` (set by the
-    run): when it returns True the error is swallowed and the run hands the step out again; and
-    ``after_last`` (set by the run) is called once the loop is done with the last micro-batch."""
+    - ``len()``: how many micro-batches; ``samples``: how many samples on this rank (both known first).
+    - ``loaded``: the sizes of the step's loaded batches; ``size`` (set before the step starts)
+      smaller than them cuts each into micro-batches of ``size`` (``trainer.out_of_memory=halve``).
+    - ``keep``: the batches taken are kept until the step ends, so :meth:`restart` hands them out again.
+    - ``with group:`` hands an error to ``on_error`` (set by the run; True swallows it and the run
+      hands the step out again); ``after_last`` is called after the last micro-batch.
+    - The rank's heartbeat says whether it waits for a batch or works on it.
+    """
 
     def __init__(self, source: Iterator[Any], loaded: list[int], size: int, keep: bool = False) -> None:
         self._source = source
@@ -199,13 +196,13 @@ class StepPlan:
 
 
 class EpochBatches:
-    """The micro-batches of a plan's steps as lists of sampler keys, from the sampler's position to
-    the end of the run's last epoch, epoch after epoch: a DataLoader's ``batch_sampler`` whose one
-    iterator the run keeps across epochs (:meth:`common.run.training_run.TrainingRun.steps`), so that its
-    workers decode the next epoch's first batches while this one ends and evaluates, where a
-    new iterator per epoch would start them only then. Each epoch's micro-batches are exactly
-    those the plan's steps take (the tail rule included), so none straddles two epochs; which
-    samples, and in what order, is the sampler's alone, as with a new iterator per epoch."""
+    """A DataLoader's ``batch_sampler``: the plan's micro-batches as lists of sampler keys, to the run's end.
+
+    - One iterator across epochs (kept by ``TrainingRun.steps``): the workers load the next epoch's
+      first batches while this one ends and evaluates.
+    - Each epoch's micro-batches are exactly those its steps take (tail rule included): none
+      straddles two epochs. Which samples, in what order, is the sampler's alone.
+    """
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
