@@ -26,5 +26,5 @@ def run_config(run_dir: Path, checkpoints: Path | None = None, *, trainer: dict[
                                        sync_every_steps=1, best_metric=None)
     logging_node = LoggingConfig(backend=LogBackend.none, dir=str(run_dir / "logs"))
     return ManualRunConfig(recipe="test", run_dir=str(run_dir), trainer=TrainerConfig(**(trainer or {})),
-                         checkpoint=replace(checkpoint_node, **(checkpoint or {})),
-                         logging=replace(logging_node, **(logging or {})))
+                           checkpoint=replace(checkpoint_node, **(checkpoint or {})),
+                           logging=replace(logging_node, **(logging or {})))
