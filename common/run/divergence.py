@@ -32,7 +32,12 @@ NONE = -1  # the watch's value while every step so far was finite
 
 
 class NonfiniteWatch:
-    """The first optimizer step whose watched values were not all finite, on ``device``."""
+    """The first optimizer step whose watched values were not all finite, kept on ``device``.
+
+    - :meth:`observe` each step: on a GPU a few device operations, no host sync.
+    - :meth:`poll` where the ranks agree (no wait; a step or so late on CUDA), :meth:`settle`
+      before a save (exact; waits for the device).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -42,9 +47,8 @@ class NonfiniteWatch:
         self._copy: torch.cuda.Event | None = None  # ... and the copy in flight
 
     def observe(self, step: int, *values: torch.Tensor | None) -> None:
-        """Note ``values`` (a loss sum, a gradient norm; None: not computed) of optimizer step
-        ``step``: on a GPU a few device operations and no host sync; on the CPU, where reading a
-        value costs nothing, it is read."""
+        """Note ``values`` (a loss sum, a gradient norm; None: not computed) of optimizer step ``step``
+        (on the CPU, where reading costs nothing, they are read)."""
         present = [value.detach() for value in _tensors(values)]  # a DTensor (FSDP2's norm): its replicated value
         if not present:
             return
@@ -125,9 +129,11 @@ _SCHEDULE_LR_ATTRIBUTES = ("base_lrs", "base_values", "warmup_lr_init", "warmup_
 
 
 def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Any, factor: float) -> None:
-    """Multiply the learning rate by ``factor`` from now on, at every step of the schedule: the
-    optimizer's groups and the schedule's LR values (:data:`_SCHEDULE_LR_ATTRIBUTES`), which
-    their state dicts keep, so a resumed run keeps the factor too."""
+    """Multiply the learning rate by ``factor`` from now on, at every step of the schedule.
+
+    - Scales the optimizer's groups and the schedule's LR values (:data:`_SCHEDULE_LR_ATTRIBUTES`).
+    - Their state dicts keep them: a resumed run keeps the factor too.
+    """
     if factor == 1.0:
         return
     for group in optimizer.param_groups:
