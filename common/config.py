@@ -81,7 +81,7 @@ class OutOfMemory(str, Enum):
 
 
 class Nonfinite(str, Enum):
-    """What a run does when its training loss or gradient norm stops being finite (``common/run/training_run.py``)."""
+    """What a run does when its training loss or gradient norm stops being finite (``common/run/divergence.py``)."""
 
     stop = "stop"  # every rank stops, exit code 3; the last finite checkpoint stays the latest
     rollback = "rollback"  # back to the last finite checkpoint, skipping the batches up to the bad step

@@ -112,8 +112,8 @@ def test_the_artifact_path_keeps_everything(tmp_path: Path, monkeypatch: pytest.
         cfg = compose_config("fashion_mnist", [f"run_dir={tmp_path}", f"checkpoint.dir={tmp_path / where}",
                                                "checkpoint.keep_last=1"])
         sampler = ResumableDistributedSampler(8)
-        run = TrainingRun.from_config(cfg, single, StepPlan(sampler, 1, 1, 1, 1), model=torch.nn.Linear(1, 1),
-                                      sampler=sampler, train_sums=SumMetrics(single.device))
+        run = TrainingRun(cfg, single, StepPlan(sampler, 1, 1, 1, 1), model=torch.nn.Linear(1, 1),
+                          sampler=sampler, train_sums=SumMetrics(single.device))
         run.cadence.close()
         keep_last[where] = run.checkpoints.keep_last
     assert keep_last == {"artifacts": KEEP_ALL, "local": 1}

@@ -139,7 +139,7 @@ def test_the_size_is_kept_on_the_same_device_and_tried_again_on_another(
 
     elsewhere = configs()
     probe("fashion_mnist", elsewhere, steps=3, error_at=2)
-    monkeypatch.setattr("common.run.training_run.device_description",
+    monkeypatch.setattr("common.run.out_of_memory.device_description",
                         lambda device, world_size: "a bigger GPU x 1 rank")
     bigger = probe("fashion_mnist", elsewhere, steps=None)
     assert bigger.run.micro_batch == 16 and bigger.summary["micro_batch_size"] == 16

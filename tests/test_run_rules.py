@@ -20,13 +20,12 @@ import pytest
 import torch
 
 from common.checkpoint.layout import committed_checkpoints
-from common.checkpoint.manager import CheckpointManager
 from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.distributed import DistInfo
 from common.pytorch.metrics import SumMetrics
-from common.records.loggers import RunLogger
 from common.run.steps import StepPlan
-from common.run.training_run import CheckpointCadence, StopSignals, TrainingRun
+from common.run.training_run import TrainingRun
+from tests.run_config import run_config
 
 NAN = math.nan
 METRIC = "eval/top1"
@@ -66,12 +65,10 @@ def train(folder: Path, values: list[float], *, patience: int = 0, mode: str = "
     sampler = ResumableDistributedSampler(2, seed=0)
     plan = StepPlan(sampler, micro_batch=2, accumulate=1, world_size=1, epochs=epochs or len(values))
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="test")
-    checkpoints = CheckpointManager(folder / "checkpoints", keep_last=keep_last, best_metric=METRIC, best_mode=mode)
-    run = TrainingRun(info, plan, checkpoints, CheckpointCadence(0, 0, 1, StopSignals()),
-                      lambda step: RunLogger("none", folder / "logs", True, "test", resume_step=step),
-                      recipe="test", run_dir=folder, resume_from_checkpoint=True, eval_every_epochs=eval_every,
-                      model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), sampler=sampler,
-                      train_sums=SumMetrics(torch.device("cpu")), early_stopping_patience=patience)
+    cfg = run_config(folder, trainer={"eval_every_epochs": eval_every, "early_stopping_patience": patience},
+                     checkpoint={"keep_last": keep_last, "best_metric": METRIC, "best_mode": mode})
+    run = TrainingRun(cfg, info, plan, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                      sampler=sampler, train_sums=SumMetrics(torch.device("cpu")))
     remaining, evaluated_after = iter(values), []
 
     def evaluate() -> dict[str, float]:

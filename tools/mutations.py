@@ -124,21 +124,21 @@ MUTATIONS: list[Mutation] = [
         "drop path and dropout draw other masks after a resume: the run differs from an uninterrupted one",
     ),
     Mutation(
-        "every-rank-gets-rank-0s-rng", "common/run/training_run.py",
+        "every-rank-gets-rank-0s-rng", "common/run/state.py",
         "    set_rng_state(rngs[rank] if same_world else rngs[0])", "    set_rng_state(rngs[0])",
         ("tests/test_run.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
         "after a multi-rank resume every rank continues rank 0's random streams instead of its own",
     ),
     Mutation(
-        "grad-scaler-not-restored", "common/run/training_run.py",
-        '            self.scaler.load_state_dict(state["scaler"])', "            pass",
+        "grad-scaler-not-restored", "common/run/state.py",
+        '        run.scaler.load_state_dict(state["scaler"])', "        pass",
         ("tests/test_run.py::test_a_resume_brings_back_every_part_of_the_training_state",),
         "an fp16 run resumes with the initial loss scale: skipped steps or overflow after every resume",
     ),
     Mutation(
-        "metric-sums-restored-from-rank-0", "common/run/training_run.py",
-        "            self.train_sums.load_state_dict(saved_sums[rank])",
-        "            self.train_sums.load_state_dict(saved_sums[0])",
+        "metric-sums-restored-from-rank-0", "common/run/state.py",
+        "        run.train_sums.load_state_dict(saved_sums[rank])",
+        "        run.train_sums.load_state_dict(saved_sums[0])",
         ("tests/test_run.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
         "training metrics logged after a multi-rank resume count rank 0's partial sums twice",
     ),
@@ -281,7 +281,7 @@ MUTATIONS: list[Mutation] = [
     # ---- what a run records (issue 26) -----------------------------------------------------------
     Mutation(
         "grad-norm-on-every-step", "common/run/training_run.py",
-        "        if not self.grad_clip_norm and (self.progress.step + 1) % self.log_every_steps:\n"
+        "        if not self.trainer.grad_clip_norm and (self.progress.step + 1) % self.trainer.log_every_steps:\n"
         "            return None\n",
         "",
         ("tests/test_telemetry.py::test_grad_norm_is_logged_without_clipping_and_is_the_clipped_runs_norm_before_"
@@ -468,7 +468,7 @@ MUTATIONS: list[Mutation] = [
     ),
     # rules with a reset, and the best
     Mutation(
-        "early-stopping-count-never-restarts", "common/run/training_run.py",
+        "early-stopping-count-never-restarts", "common/run/early_stopping.py",
         "progress.best_value, progress.evals_without_improvement = value, 0", "progress.best_value = value",
         (f"{RULES}test_the_patience_count_restarts_after_every_improvement",),
         "early stopping stops a run that is still improving, counting evaluations from before its last best",
@@ -516,16 +516,16 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "evaluation-every-epoch", "common/run/training_run.py",
-        "metrics = self._evaluate(evaluate) if self.progress.epoch % self.eval_every_epochs == 0 else None",
+        "metrics = self._evaluate(evaluate) if self.progress.epoch % self.trainer.eval_every_epochs == 0 else None",
         "metrics = self._evaluate(evaluate)",
         (f"{RULES}test_evaluations_come_every_eval_every_epochs_and_at_the_end",),
         "trainer.eval_every_epochs is ignored: a long evaluation runs after every epoch",
     ),
     # ---- issue 34: after a rollback the loop goes on at the run's step ------------------------------
     Mutation(
-        "restore-rebinds-the-progress", "common/run/training_run.py",
-        '        self.progress.load_state_dict(state["progress"])',
-        '        self._progress = Progress(**state["progress"])',
+        "restore-rebinds-the-progress", "common/run/state.py",
+        '    run.progress.load_state_dict(state["progress"])',
+        '    run._progress = type(run.progress)(**state["progress"])',
         (f"{DIVERGENCE}test_after_a_rollback_train_metrics_are_logged_every_log_every_steps[fashion_mnist]",
          f"{DIVERGENCE}test_after_a_rollback_each_step_draws_differently_from_the_one_before[cifar100_resnet50]",
          f"{DIVERGENCE}test_after_a_rollback_timm_imagenet_takes_the_scheduled_lr_of_each_step_times_the_factor",
@@ -535,7 +535,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "no-checkpoint-of-a-fresh-optimizer", "common/run/training_run.py",
-        '            self._save_before_next_step = self.nonfinite == "rollback" and self.logger is not None',
+        '            self._save_before_next_step = self.divergence.rolls_back and self.logger is not None',
         "            pass",
         (f"{DIVERGENCE}test_a_rollback_in_dinov2_fsdps_fine_tune_goes_back_to_the_fine_tune",),
         "a rollback in dinov2's fine-tune loads the probe's checkpoint into the fine-tune's optimizer and crashes",
@@ -571,33 +571,33 @@ MUTATIONS: list[Mutation] = [
     # ---- issue 38: memory (trainer.out_of_memory=halve, trainer.activation_checkpointing) ------------
     Mutation(
         "retry-forgets-the-samples", "common/run/training_run.py",
-        "plan.groups(self._epoch_source(micro_batches), keep=self._step_start is not None)",
+        "plan.groups(self._epoch_source(micro_batches), keep=halving.halves)",
         "plan.groups(self._epoch_source(micro_batches), keep=False)",
         (f"{REDONE}[fashion_mnist]", f"{REDONE}[timm_imagenet]"),
         "a step that ran out of memory is redone on the next batches: some samples are skipped, others seen twice",
     ),
     Mutation(
-        "retry-forgets-the-random-draws", "common/run/training_run.py",
-        "        self._step_start.restore()\n", "",
+        "retry-forgets-the-random-draws", "common/run/out_of_memory.py",
+        "        self.step_start.restore()\n", "",
         (f"{REDONE}[fungitastic]", f"{REDONE}[cifar100_resnet50]"),
         "the redone step draws other dropout and augmentation, counts the failed attempt's loss and BatchNorm batches",
     ),
     Mutation(
-        "retry-of-a-non-memory-error", "common/run/training_run.py",
-        "if not isinstance(error, torch.OutOfMemoryError) or not self._in_forward_backward:",
-        "if not self._in_forward_backward:",
+        "retry-of-a-non-memory-error", "common/run/out_of_memory.py",
+        "if not isinstance(error, torch.OutOfMemoryError) or not self.in_forward_backward:",
+        "if not self.in_forward_backward:",
         (f"{OOM}test_an_error_that_is_not_memory_is_not_retried",),
         "a bug, a bad input or a NaN check in the loop is retried with smaller micro-batches instead of reported",
     ),
     Mutation(
-        "ranks-never-agree-on-the-micro-batch", "common/run/training_run.py",
+        "ranks-never-agree-on-the-micro-batch", "common/run/out_of_memory.py",
         "        if len(set(micro_batches)) <= 1:\n            return\n        size = min(micro_batches)",
         "        if True:\n            return\n        size = min(micro_batches)",
         (f"{TWO_RANKS_AGREE}[fashion_mnist-failing0]",),
         "the ranks that did not run out keep the large micro-batch: the run's records and summary disagree with them",
     ),
     Mutation(
-        "halve-mode-reduces-no-gradients", "common/run/training_run.py",
+        "halve-mode-reduces-no-gradients", "common/run/out_of_memory.py",
         "        all_reduce_gradients(self.model)\n", "",
         (f"{TWO_RANKS_AGREE}[fashion_mnist-failing0]",),
         "with trainer.out_of_memory=halve on several ranks each rank trains on its own gradients: they drift apart",
@@ -609,8 +609,8 @@ MUTATIONS: list[Mutation] = [
         "under FSDP2 the redone step and every later one apply no gradient: the weights stop changing",
     ),
     Mutation(
-        "halved-size-forgotten-on-resume", "common/run/training_run.py",
-        'if self.out_of_memory == "halve" and progress.micro_batch_found_on == self._device_key:',
+        "halved-size-forgotten-on-resume", "common/run/out_of_memory.py",
+        'if self.mode == "halve" and progress.micro_batch_found_on == self.device_key:',
         "if False:",
         (f"{OOM}test_the_size_is_kept_on_the_same_device_and_tried_again_on_another",),
         "every requeue on the same small GPU runs out of memory again first, and a resumed run is not bit-exact",

@@ -1,27 +1,43 @@
-"""``trainer.nonfinite``: noticing that training stopped being finite, without a host sync per step.
+"""``trainer.nonfinite``: a run whose loss or weights stop being finite stops, or rolls back.
 
-A run whose loss goes NaN would otherwise train on to the end of its allocation and commit NaN
-checkpoints as the latest, which the ISC ships and every later cycle resumes from (bit-exactly,
-so the divergence replays). :class:`NonfiniteWatch` keeps, on the training device, the first
-step whose loss or gradient norm was not finite; the run contract (``common/run/training_run.py``) reads it
-where the ranks already agree on the checkpoint cadence, without waiting for the device, and
-exactly before every save, which waits for the device anyway. What it then does (stop, or roll
-back to the last finite checkpoint) is in :meth:`common.run.training_run.TrainingRun.steps`.
+- :class:`NonfiniteWatch`: the first non-finite step, kept on the device (no host sync per step).
+- :class:`Divergence`: the run's whole handling of it; before every save, :meth:`Divergence.check`
+  either passes, rolls back to the last finite checkpoint (``rollback``), or stops every rank
+  (``stop``: :class:`~common.errors.Diverged`, exit 3; the last finite checkpoint stays the latest).
+- Why: a NaN run would otherwise commit NaN checkpoints as the latest, which the ISC ships and
+  every later cycle resumes from.
 """
 
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from common.checkpoint.layout import latest_checkpoint
+from common.config import TrainerConfig
+from common.errors import EXIT_DIVERGED, Diverged
+from common.pytorch import distributed
+from common.records import heartbeat
+from common.records.summary import write_summary
+
+if TYPE_CHECKING:
+    from common.run.training_run import TrainingRun
 
 NONE = -1  # the watch's value while every step so far was finite
 
 
 class NonfiniteWatch:
-    """The first optimizer step whose watched values were not all finite, on ``device``."""
+    """The first optimizer step whose watched values were not all finite, kept on ``device``.
+
+    - :meth:`observe` each step: on a GPU a few device operations, no host sync.
+    - :meth:`poll` where the ranks agree (no wait; a step or so late on CUDA), :meth:`settle`
+      before a save (exact; waits for the device).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -31,9 +47,8 @@ class NonfiniteWatch:
         self._copy: torch.cuda.Event | None = None  # ... and the copy in flight
 
     def observe(self, step: int, *values: torch.Tensor | None) -> None:
-        """Note ``values`` (a loss sum, a gradient norm; None: not computed) of optimizer step
-        ``step``: on a GPU a few device operations and no host sync; on the CPU, where reading a
-        value costs nothing, it is read."""
+        """Note ``values`` (a loss sum, a gradient norm; None: not computed) of optimizer step ``step``
+        (on the CPU, where reading costs nothing, they are read)."""
         present = [value.detach() for value in _tensors(values)]  # a DTensor (FSDP2's norm): its replicated value
         if not present:
             return
@@ -114,9 +129,11 @@ _SCHEDULE_LR_ATTRIBUTES = ("base_lrs", "base_values", "warmup_lr_init", "warmup_
 
 
 def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Any, factor: float) -> None:
-    """Multiply the learning rate by ``factor`` from now on, at every step of the schedule: the
-    optimizer's groups and the schedule's LR values (:data:`_SCHEDULE_LR_ATTRIBUTES`), which
-    their state dicts keep, so a resumed run keeps the factor too."""
+    """Multiply the learning rate by ``factor`` from now on, at every step of the schedule.
+
+    - Scales the optimizer's groups and the schedule's LR values (:data:`_SCHEDULE_LR_ATTRIBUTES`).
+    - Their state dicts keep them: a resumed run keeps the factor too.
+    """
     if factor == 1.0:
         return
     for group in optimizer.param_groups:
@@ -129,3 +146,122 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Any, factor
             setattr(scheduler, attribute, [item * factor for item in value])
         elif isinstance(value, float):
             setattr(scheduler, attribute, value * factor)
+
+
+class Divergence:
+    """The run's handling of ``trainer.nonfinite``: watch each step, check before each save, roll back or stop.
+
+    - ``trainer``: its ``nonfinite``, ``rollback_lr_factor`` and ``max_rollbacks``.
+    - ``run``: the :class:`~common.run.training_run.TrainingRun` it guards (its state, checkpoints, logs).
+    - Its records live in the run's :class:`~common.run.progress.Progress` (``rollbacks``): checkpointed.
+    """
+
+    def __init__(self, trainer: TrainerConfig, run: TrainingRun) -> None:
+        self.nonfinite = trainer.nonfinite.value
+        self.rollback_lr_factor = trainer.rollback_lr_factor
+        self.max_rollbacks = trainer.max_rollbacks
+        self.run = run
+        self.watch = NonfiniteWatch(run.dist_info.device)
+
+    @property
+    def rolls_back(self) -> bool:
+        """Whether a finite checkpoint to go back to must exist from the first step on."""
+        return self.nonfinite == "rollback"
+
+    def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        """Watch optimizer step ``step``'s loss (and gradient norm, where it clips); no host sync on a GPU."""
+        self.watch.observe(step, loss, grad_norm)
+
+    def poll(self) -> int:
+        """The first non-finite step the host knows of (NONE: none), without waiting for the device."""
+        return self.watch.poll()
+
+    def check(self) -> bool:
+        """Whether training is finite so far on every rank: the watched values and the state a
+        checkpoint would hold. Collective; waits for the device, as the save it precedes does.
+
+        - True: finite. False: rolled back (``rollback`` with rollbacks left and a checkpoint).
+        - Raises :class:`~common.errors.Diverged` otherwise, on every rank.
+        """
+        run = self.run
+        with heartbeat.phase(heartbeat.FINITE_CHECK):
+            seen = distributed.all_gather_object((self.watch.settle(), self._state_finite()))
+        watched = {rank: step for rank, (step, _) in enumerate(seen) if step != NONE}
+        if watched:  # where a loss or gradient went non-finite first, not the weights that followed
+            nonfinite_step = min(watched.values())
+            ranks = sorted(rank for rank, step in watched.items() if step == nonfinite_step)
+        else:
+            nonfinite_step, ranks = run.progress.step, [rank for rank, (_, finite) in enumerate(seen) if not finite]
+        if not ranks:
+            return True
+        hosts = distributed.all_gather_object(socket.gethostname())
+        what = (f"the training was not finite at step {nonfinite_step} on "
+                + ", ".join(f"rank {rank} ({hosts[rank]})" for rank in ranks))
+        if self.nonfinite == "rollback" and len(run.progress.rollbacks) < self.max_rollbacks:
+            if self._roll_back(nonfinite_step, ranks, what):
+                return False
+        self._stop_diverged(nonfinite_step, ranks, [hosts[rank] for rank in ranks], what)
+
+    def _state_finite(self) -> bool:
+        run = self.run
+        states: list[Any] = [run.model.state_dict(), *(obj.state_dict() for obj in run.extra_state.values())]
+        if run.optimizer is not None:
+            states.append(list(run.optimizer.state.values()))
+        return all_finite(*states)
+
+    def _roll_back(self, nonfinite_step: int, ranks: list[int], what: str) -> bool:
+        """Back to the newest valid checkpoint (all of it), past the micro-batches of the steps up to
+        ``nonfinite_step``, with the LR times ``rollback_lr_factor``; checkpointed at once. False
+        when there is no checkpoint."""
+        run = self.run
+        detected_at, kept = run.progress.step, replace(run.progress)  # the restore overwrites the counters
+        seconds = kept.train_seconds + run.segment_seconds()
+        loaded = run.reload_latest()
+        if loaded is None:
+            return False
+        progress = run.progress
+        back_to = progress.step
+        run.plan.skip(nonfinite_step - back_to)
+        scale_learning_rate(run.optimizer, run.scheduler, self.rollback_lr_factor)
+        record = {"nonfinite_step": nonfinite_step, "ranks": ranks, "detected_at_step": detected_at,
+                  "back_to_step": back_to, "checkpoint": loaded.path.name, "skipped_steps": nonfinite_step - back_to,
+                  "lr_factor": self.rollback_lr_factor}
+        progress.rollbacks = [*kept.rollbacks, record]
+        progress.out_of_memory = kept.out_of_memory  # the micro-batch in use stays: it is what fits here
+        progress.micro_batch_size, progress.micro_batch_found_on = kept.micro_batch_size, kept.micro_batch_found_on
+        progress.resumes, progress.train_seconds = kept.resumes, seconds
+        run.restart_clock()
+        run.telemetry.start_window()
+        self.watch.reset()
+        run.console(f"rollback {len(progress.rollbacks)} of at most {self.max_rollbacks}: {what}; back to step "
+                    f"{back_to} ({loaded.path.name}), skipping the batches of steps {back_to + 1}-{nonfinite_step}"
+                    + (f", lr x{self.rollback_lr_factor:g}" if self.rollback_lr_factor != 1.0 else ""))
+        run.save()
+        return True
+
+    def _stop_diverged(self, nonfinite_step: int, ranks: list[int], hosts: list[str], what: str) -> None:
+        """Stop every rank: the newest (finite) checkpoint stays the latest, the summary says where
+        the run diverged, and :class:`~common.errors.Diverged` ends it with ``EXIT_DIVERGED``."""
+        run = self.run
+        run.progress.train_seconds += run.segment_seconds()
+        run.checkpoints.wait()
+        last = distributed.broadcast_object(latest_checkpoint(run.checkpoints.directory)
+                                            if run.dist_info.is_main else None)
+        if last is None:
+            kept = "no checkpoint was written before it"
+        else:
+            kept = f"the last finite checkpoint, {last.path} (step {last.step}), stays the latest"
+        rollbacks = run.progress.rollbacks
+        after = f" after {len(rollbacks)} rollback(s)" if rollbacks else ""
+        message = (f"the run diverged{after}: {what}; {kept}. Lower optim.lr"
+                   + ("" if self.nonfinite == "rollback" else " or let it roll back (trainer.nonfinite=rollback)")
+                   + f"; exiting with code {EXIT_DIVERGED}")
+        if run.dist_info.is_main:
+            diverged = {"step": nonfinite_step, "ranks": ranks, "hosts": hosts,
+                        "checkpoint": last.path.name if last is not None else None}
+            write_summary(run.run_dir, recipe=run.recipe, metrics=last.metrics if last is not None else {},
+                          progress=run.progress, world_size=run.dist_info.world_size, model_digest=None,
+                          diverged=diverged, **({"rollbacks": rollbacks} if rollbacks else {}))
+        run.logger.close()
+        run.cadence.close()
+        raise Diverged(message, agreed=True)

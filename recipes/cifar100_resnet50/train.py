@@ -100,9 +100,9 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
     train_sums = SumMetrics(device)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums,
-                                  extra_state={"ema": ema.module} if ema is not None else None)
+    run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, sampler=sampler, train_sums=train_sums,
+                      extra_state={"ema": ema.module} if ema is not None else None)
     progress = run.resume()
     run.console(f"cifar100_resnet50: {cfg.model.name} on {dist_info.world_size} rank(s) on {device.type}, "
                 f"{plan.describe()}, lr {lr:g}, {cfg.optim.sched.value} schedule, {plan.total} steps")

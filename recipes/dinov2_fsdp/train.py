@@ -179,8 +179,8 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
     # shards), so a run resumes on another number of ranks. The checkpoint at the end of the probe
     # is kept for good (_force: the ISC ships it). Which optimizer exists depends on the stage, so
     # it is made, and its state loaded, once the progress says which stage the run is in.
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, sampler=sampler, train_sums=train_sums,
-                                  sharded=True, milestones={cfg.stages.probe_epochs: "end of linear probe"})
+    run = TrainingRun(cfg, dist_info, plan, model=model, sampler=sampler, train_sums=train_sums,
+                      sharded=True, milestones={cfg.stages.probe_epochs: "end of linear probe"})
     progress = run.resume()
     stage = Stage(progress.extra.setdefault("stage", stage_of_epoch(0).value))
     optimizer, scheduler = start_stage(stage)

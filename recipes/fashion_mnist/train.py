@@ -86,8 +86,8 @@ def train(cfg: FashionMNISTConfig, dist_info: DistInfo) -> None:
     train_sums = SumMetrics(device)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums)
+    run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, sampler=sampler, train_sums=train_sums)
     progress = run.resume()
     run.console(f"fashion_mnist: {dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, lr {lr:g}, "
                 f"{plan.total} steps")

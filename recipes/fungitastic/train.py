@@ -210,8 +210,8 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     # Under fsdp.enabled the model and optimizer state are saved as each rank's shards
     # (torch.distributed.checkpoint), so a run resumes on another number of ranks.
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled)
+    run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled)
     progress = run.resume()
     splits = [train_files, *(evaluate.files for evaluate in evaluators.values())]
     for files in splits:

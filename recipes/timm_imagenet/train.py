@@ -206,9 +206,9 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     # Under fsdp.enabled the model and optimizer state are saved as each rank's shards
     # (torch.distributed.checkpoint), so a run resumes on another number of ranks.
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled,
-                                  extra_state={"ema": ema.module} if ema is not None else None)
+    run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled,
+                      extra_state={"ema": ema.module} if ema is not None else None)
     progress = run.resume()
     run.console(
         f"timm_imagenet: {cfg.model.name}, {num_classes} classes, train: {train_origin}\n"

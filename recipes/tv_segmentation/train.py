@@ -118,8 +118,8 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
     train_sums = SumMetrics(device)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums)
+    run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, sampler=sampler, train_sums=train_sums)
     progress = run.resume()
     run.console(
         f"tv_segmentation: {cfg.model.name} on {cfg.data.dataset.value} ({len(train_set)} train images), "
