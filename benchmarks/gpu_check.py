@@ -516,7 +516,8 @@ def check_nvjpeg(work: Path) -> str:
     """timm_imagenet's ``data.decode=gpu``: nvjpeg decodes (the worker decodes what nvjpeg cannot:
     greyscale, CMYK, a PNG named .JPEG) and crops as the CPU path does, to a few grey levels."""
     from common.config import Decode
-    from common.data.images import DeviceTrainInput, PathImages, TrainAugmentation, TrainImages, collate_train
+    from common.data.device_input import DeviceTrainInput
+    from common.data.images import PathImages, TrainAugmentation, TrainImages, collate_train
     from common.data.loaders import PerSampleSeeded
     from tools.tiny_data import write_jpeg_cases
 
@@ -548,7 +549,8 @@ def check_decode_under_load(work: Path, figures: list[Result]) -> str:
     import statistics
 
     from common.config import Decode
-    from common.data.images import DeviceTrainInput, TrainAugmentation, decode, read_file
+    from common.data.device_input import DeviceTrainInput
+    from common.data.images import TrainAugmentation, decode, read_file
     from tools.tiny_data import write_jpeg_cases
 
     cases = write_jpeg_cases(work, width=1000, height=750)  # "large" is 4000 x 3000, a phone photo

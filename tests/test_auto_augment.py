@@ -12,7 +12,8 @@ from torchvision.transforms import v2
 
 from common.config import Decode
 from common.data.auto_augment import BatchAutoAugment, batch_policy
-from common.data.images import DeviceTrainInput, TrainAugmentation
+from common.data.device_input import DeviceTrainInput
+from common.data.images import TrainAugmentation
 from common.errors import UserError
 from tests.test_host_syncs import syncing_ops
 

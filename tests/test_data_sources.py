@@ -26,8 +26,9 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
 from common.config import Decode
+from common.data.device_input import DeviceTrainInput
 from common.data.file_index import FileIndex
-from common.data.images import DeviceTrainInput, TrainAugmentation, TrainImages, collate_train
+from common.data.images import TrainAugmentation, TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded
 from common.data.sampler import ResumableDistributedSampler
 from common.data.shards import ShardImages, write_shards

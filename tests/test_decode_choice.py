@@ -81,7 +81,8 @@ def test_measuring_the_model_leaves_its_weights_buffers_gradients_and_the_genera
 
 
 def test_the_pipelines_refuse_an_unresolved_auto() -> None:
-    from common.data.images import DeviceTrainInput, PathImages, TrainAugmentation, TrainImages
+    from common.data.device_input import DeviceTrainInput
+    from common.data.images import PathImages, TrainAugmentation, TrainImages
 
     with pytest.raises(ValueError, match="resolved first"):
         DeviceTrainInput(TrainAugmentation(size=8), Decode.auto, [0.5] * 3, [0.5] * 3, CPU)

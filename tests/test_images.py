@@ -23,9 +23,9 @@ from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import functional as tvf
 
 from common.config import Decode
+from common.data.device_input import DeviceTrainInput
 from common.data.images import (
     CropBox,
-    DeviceTrainInput,
     PathImages,
     ResizedImages,
     TrainAugmentation,

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, Subset
 
 from common.config import Decode, Precision, TrainerConfig
-from common.data.images import TrainAugmentation, TrainImages, gpu_decode_unsupported
+from common.data.device_input import gpu_decode_unsupported
+from common.data.images import TrainAugmentation, TrainImages
 from common.data.loaders import PerSampleSeeded, cpu_cores_per_rank
 from common.pytorch import distributed
 from common.pytorch.fsdp import is_sharded

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from common.after_training.evaluate import metric_prefix, model_outputs, most_batches
 from common.data.decode_choice import choose_train_decode
+from common.data.device_input import DeviceTrainInput
 from common.data.image_batches import Normalize
-from common.data.images import DeviceTrainInput, ResizedImages, TrainImages, collate_train
+from common.data.images import ResizedImages, TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import exit_process, recipe_main

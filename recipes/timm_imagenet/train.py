@@ -30,8 +30,9 @@ from timm.utils import ModelEmaV3
 from common.after_training.evaluate import classification_scores, metric_prefix, most_batches
 from common.config import DataFormat
 from common.data.decode_choice import choose_train_decode
+from common.data.device_input import DeviceTrainInput
 from common.data.image_batches import Normalize
-from common.data.images import DeviceTrainInput, TrainImages, collate_train
+from common.data.images import TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.data.staging import stage_directory

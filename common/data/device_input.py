@@ -1,0 +1,191 @@
+"""The main process's side of the image pipeline: a batch of worker output to the model's input, on the device.
+
+- ``data.decode=gpu``: nvjpeg decodes, ``roi_align`` crops and resizes, the per-sample policy runs
+  batched (:func:`common.data.auto_augment.batch_policy`).
+- Both paths: colour jitter, normalisation and batch augmentation on the device, once per batch.
+- The workers' side (crop boxes, CPU decode, what the worker hands over): ``common/data/images.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torchvision
+from PIL import Image
+
+from common.config import Decode
+from common.data.auto_augment import batch_policy
+from common.data.image_batches import Normalize
+from common.data.images import TrainAugmentation, check_size, decode
+from common.errors import UserError
+
+_GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
+
+
+def gpu_decode_unsupported(augmentation: TrainAugmentation) -> str | None:
+    """Why ``data.decode=gpu`` cannot run ``augmentation`` (and the fix), or None when it can."""
+    if augmentation.per_sample_takes_pil:
+        return ("the per-sample augmentation runs on the device there, and this one (a timm policy) works on PIL "
+                "images only: use data.decode=cpu, or a torchvision policy (ta_wide)")
+    if augmentation.interpolation != "bilinear":
+        return (f"the device resizes bilinearly (roi_align), not {augmentation.interpolation}: set "
+                f"data.interpolation=bilinear or use data.decode=cpu")
+    return None
+
+
+class DeviceTrainInput:
+    """A batch of :class:`TrainImages` samples to the model's input, on the device.
+
+    - ``decode=gpu``: decoding, crop, flip and the per-sample policy here; then for both colour jitter,
+      normalisation (``mean``, ``std``) and ``batch_augmentation`` (e.g. random erasing) on the batch.
+    - ``decode`` must be resolved (not ``auto``: ``ValueError``).
+    """
+
+    def __init__(self, augmentation: TrainAugmentation, decode: Decode, mean: Sequence[float],
+                 std: Sequence[float], device: torch.device,
+                 batch_augmentation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.augmentation = augmentation
+        self.decode = Decode(decode)
+        if self.decode == Decode.auto:
+            raise ValueError("data.decode=auto is resolved first (common/data/decode_choice.py)")
+        self.device = device
+        self.normalize = Normalize(mean, std, device)
+        self.batch_augmentation = batch_augmentation
+        self.grey_weights = torch.tensor(_GREY_WEIGHTS, device=device).view(1, 3, 1, 1)
+        self.decode_stream = torch.cuda.Stream(device) if self.decode == Decode.gpu and device.type == "cuda" else None
+        if self.decode == Decode.gpu:
+            unsupported = gpu_decode_unsupported(augmentation)
+            if unsupported:
+                raise UserError(f"data.decode=gpu: {unsupported}")
+            self.check_the_decoder()
+        self.device_policy = None  # the per-sample policy, run on the device (decode=gpu) for a whole batch
+        if self.decode == Decode.gpu and augmentation.per_sample is not None:
+            self.device_policy = batch_policy(augmentation.per_sample)
+
+    def check_the_decoder(self) -> None:
+        """Decode a tiny JPEG once: a torchvision without a device decoder fails at start-up with one line."""
+        jpeg = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(jpeg, "JPEG")
+        try:
+            self.decode_on_device([torch.frombuffer(bytearray(jpeg.getvalue()), dtype=torch.uint8)])
+        except Exception as error:  # a removed decoder may raise anything from AttributeError to RuntimeError
+            raise UserError(f"data.decode=gpu: torchvision {torchvision.__version__} cannot decode JPEGs on "
+                            f"{self.device} ({str(error).splitlines()[0]}); use data.decode=cpu") from error
+
+    def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
+        images = self.crops_on_device(batch) if self.decode == Decode.gpu else batch["image"]
+        images = images.to(self.device, non_blocking=True).float()
+        if "jitter" in batch:
+            images = self.colour_jitter(images, batch["jitter"].to(self.device, non_blocking=True))
+        images = self.normalize(images)
+        return self.batch_augmentation(images) if self.batch_augmentation is not None else images
+
+    def crops_on_device(self, batch: dict[str, Any]) -> torch.Tensor:
+        """uint8 ``[B, 3, S, S]``: the batch decoded, cropped, resized, flipped and augmented."""
+        pieces = batch["data"].split(batch["length"].tolist())
+        images: list[torch.Tensor | None] = [None] * len(pieces)
+        jpegs = []
+        for i, (piece, shape) in enumerate(zip(pieces, batch["shape"].tolist())):
+            if shape[0]:
+                images[i] = piece.view(shape).to(self.device, non_blocking=True).permute(2, 0, 1)
+            else:
+                jpegs.append(i)
+        sizes = batch["size"].tolist()
+        for i, image in zip(jpegs, self.decode_jpegs([pieces[i] for i in jpegs], [batch["path"][i] for i in jpegs])):
+            check_size(image.shape[1:], sizes[i][1], sizes[i][0], batch["path"][i])  # shapes are known on the host
+            images[i] = image
+        crops = self.resized_crops(images, batch["box"])
+        crops = crops.round_().clamp_(0, 255).to(torch.uint8)  # the per-sample policy sees uint8, as on the CPU
+        flips = batch["flip"].to(self.device, non_blocking=True).view(-1, 1, 1, 1)
+        crops = torch.where(flips, crops.flip(-1), crops)
+        if self.device_policy is not None:  # each sample's ops drawn from its seed, applied to the batch
+            size = self.augmentation.size
+            with torch.random.fork_rng(devices=[]):  # the policy draws from torch's CPU generator
+                draws = []
+                for seed in batch["seed"].tolist():
+                    torch.default_generator.manual_seed(seed)
+                    draws.append(self.device_policy.draw(size, size))
+            crops = self.device_policy.apply(crops, draws)
+        return crops
+
+    def decode_jpegs(self, pieces: list[torch.Tensor], paths: list[str]) -> list[torch.Tensor]:
+        """Decode a batch on the device; on failure one at a time: refused files on the CPU, undecodable ones named."""
+        if not pieces:
+            return []
+        try:
+            return self.decode_on_device(pieces)
+        except RuntimeError:
+            return [self.decode_one(piece, path) for piece, path in zip(pieces, paths)]
+
+    def decode_one(self, piece: torch.Tensor, path: str) -> torch.Tensor:
+        try:
+            return self.decode_on_device([piece])[0]
+        except RuntimeError:
+            pixels = decode(piece.numpy(), path)
+            return torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)
+
+    def decode_on_device(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Decode on the device, safe on every torchvision; no host sync.
+
+        - Why a side stream: nvjpeg decodes on its own stream without waiting for work queued on ours,
+          into memory the allocator may have just taken back from it (pytorch/vision#9606: gradients
+          overwritten). The side stream waits for the training stream; each image is marked as used there.
+        - torchvision 0.29 deprecates these decoders (#9622); TorchCodec, their successor, must keep this rule.
+        """
+        with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders for TorchCodec's
+            warnings.simplefilter("ignore", DeprecationWarning)
+            if self.decode_stream is None:
+                return torchvision.io.decode_jpeg(pieces, mode=torchvision.io.ImageReadMode.RGB, device=self.device)
+            training_stream = torch.cuda.current_stream(self.device)
+            self.decode_stream.wait_stream(training_stream)
+            with torch.cuda.stream(self.decode_stream):
+                images = torchvision.io.decode_jpeg(pieces, mode=torchvision.io.ImageReadMode.RGB, device=self.device)
+            training_stream.wait_stream(self.decode_stream)
+        for image in images:
+            image.record_stream(training_stream)  # freed: reused once the training stream's work on it is done
+        return images
+
+    def resized_crops(self, images: list[torch.Tensor], boxes: torch.Tensor) -> torch.Tensor:
+        """float ``[B, 3, S, S]``: each image's box resized with ``roi_align`` (bilinear, averaged when shrinking).
+
+        - Each image is cut to its box (plus a pixel of margin) in uint8 before the float conversion: a
+          whole 12-megapixel photo in float32 is 146 MB. The boxes reach the device in one copy.
+        - The kernel is called directly: under ``torch.use_deterministic_algorithms`` on CUDA,
+          ``torchvision.ops.roi_align`` swaps in a Python version (compiled in the first step and host
+          syncing, or eager with a ``[K, 3, S, S, H, W]`` intermediate); the kernel's forward is deterministic.
+        """
+        regions, rois = [], []
+        for image, (top, left, height, width) in zip(images, boxes.tolist()):
+            first_row, first_col = max(0, math.floor(top) - 1), max(0, math.floor(left) - 1)
+            end_row = min(image.shape[1], math.ceil(top + height) + 1)
+            end_col = min(image.shape[2], math.ceil(left + width) + 1)
+            regions.append(image[:, first_row:end_row, first_col:end_col])
+            left, top = left - first_col, top - first_row
+            rois.append([0, left, top, left + width, top + height])  # image index, x1, y1, x2, y2
+        rois = torch.tensor(rois)
+        if self.device.type == "cuda":
+            rois = rois.pin_memory()
+        rois = rois.to(self.device, non_blocking=True)
+        size = self.augmentation.size
+        kernel = torch.ops.torchvision.roi_align  # (input, rois, spatial scale, height, width, sampling, aligned)
+        return torch.cat([kernel(region[None].float(), rois[i : i + 1], 1.0, size, size, -1, True)
+                          for i, region in enumerate(regions)])
+
+    def colour_jitter(self, images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        """torchvision's ColorJitter on 0-255 floats, each sample with its own factors and order."""
+        factors = params[:, :3].view(-1, 3, 1, 1, 1)
+        brightness, contrast, saturation = factors.unbind(1)
+        for position in range(4):
+            step = params[:, 3 + position].view(-1, 1, 1, 1)
+            grey = (images * self.grey_weights).sum(1, keepdim=True)
+            adjusted = torch.where(step == 0, images * brightness, images)
+            adjusted = torch.where(step == 1, contrast * images + (1 - contrast) * grey.mean((2, 3), keepdim=True),
+                                   adjusted)
+            adjusted = torch.where(step == 2, saturation * images + (1 - saturation) * grey, adjusted)
+            images = adjusted.clamp_(0, 255)
+        return images
