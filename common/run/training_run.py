@@ -14,7 +14,7 @@ A recipe hands :class:`TrainingRun` its config and what a checkpoint holds, and 
 - Its parts: :mod:`~common.run.cadence` (when to save and stop), :mod:`~common.run.divergence`
   (``trainer.nonfinite``), :mod:`~common.run.early_stopping`, :mod:`~common.run.out_of_memory`
   (``trainer.out_of_memory``), :mod:`~common.run.search_trial`, :mod:`~common.run.compile_cache`.
-- What a resume restores, signals and exit codes: README "Outputs, resume and pre-emption".
+- What a resume restores, signals and exit codes: docs/run-contract.md.
 """
 
 from __future__ import annotations
