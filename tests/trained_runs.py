@@ -23,6 +23,7 @@ from common.entry import compose_config, training_process, typed_config
 from common.evaluate import eval_file_name
 from common.evaluate import main as evaluate_main
 from common.recipes import load_recipe
+from tests import recipe_tables
 from tools.tiny_data import (
     write_cifar100_tarball,
     write_fashion_mnist,
@@ -31,20 +32,7 @@ from tools.tiny_data import (
     write_voc,
 )
 
-COMMON = ["logging.backend=none", "logging.progress_bar=false", "checkpoint.every_seconds=0"]
-TINY = {
-    "fashion_mnist": ["model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=16", *COMMON],
-    "cifar100_resnet50": ["model.name=test_resnet", "trainer.precision=fp32", "trainer.batch_size=8", *COMMON],
-    "timm_imagenet": ["model.name=test_resnet", "data.train_size=32", "data.eval_size=32", "trainer.batch_size=8",
-                      "trainer.precision=fp32", "trainer.num_workers=0", "checkpoint.async_save=false", *COMMON],
-    "fungitastic": ["model.name=test_vit", "model.pretrained=", "model.drop_path_rate=0", "data.image_size=32",
-                    "trainer.batch_size=4", "trainer.precision=fp32", "trainer.num_workers=0", "optim.lr=0.001",
-                    *COMMON],
-    "tv_segmentation": ["model.name=deeplabv3_mobilenet_v3_large", "data.base_size=40", "data.crop_size=40",
-                        "trainer.batch_size=2", "trainer.num_workers=0", "device=cpu", *COMMON],
-    "dinov2_fsdp": ["model.image_size=28", "trainer.batch_size=4", "trainer.global_batch_size=8",
-                    "stages.probe_epochs=1", "optim.lr=0.05", *COMMON],
-}
+TINY = recipe_tables.TINY  # recipe -> its tiny settings, from recipes/<recipe>/testing.py
 _made: dict[str, Any] = {}  # name -> what shared_run made, for the whole session
 
 
@@ -81,6 +69,25 @@ def evaluate_here(recipe: str, run: Path, *args: str, which: str = "latest", spl
 
 
 # ---- data, one of each per session ---------------------------------------------------------
+
+
+def tiny_files(recipe: str, factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``{key: path}``: the tiny data ``recipe`` declares (``TINY_DATA`` in its ``testing.py``),
+    each written by the function of this module it names, once per session."""
+    return {key: _maker(recipe, maker)(factory) for key, maker in recipe_tables.tiny_data(recipe).items()}
+
+
+def tiny_shards(recipe: str, factory: pytest.TempPathFactory) -> Path:
+    """``recipe``'s tiny data as shards (``TINY_SHARDS`` in its ``testing.py``), written once per session."""
+    return _maker(recipe, recipe_tables.tiny_shards(recipe))(factory)
+
+
+def _maker(recipe: str, name: str) -> Callable[[pytest.TempPathFactory], Path]:
+    maker = globals().get(name)
+    if not callable(maker):
+        raise KeyError(f"recipes/{recipe}/testing.py names {name!r}, which tests/trained_runs.py does not define")
+    return maker
+
 
 
 def fashion_data(factory: pytest.TempPathFactory) -> Path:
