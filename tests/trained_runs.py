@@ -14,6 +14,7 @@ import json
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -78,11 +79,12 @@ def tiny_files(recipe: str, factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def tiny_shards(recipe: str, factory: pytest.TempPathFactory) -> Path:
-    """``recipe``'s tiny data as shards (``TINY_SHARDS`` in its ``testing.py``), written once per session."""
-    return _maker(recipe, recipe_tables.tiny_shards(recipe))(factory)
+    """``recipe``'s tiny data as shards (``TINY_SHARDS`` in its ``testing.py``), written by its own
+    data prep once per session."""
+    return _maker(recipe, recipe_tables.tiny_shards(recipe))(factory, recipe)
 
 
-def _maker(recipe: str, name: str) -> Callable[[pytest.TempPathFactory], Path]:
+def _maker(recipe: str, name: str) -> Callable[..., Path]:
     maker = globals().get(name)
     if not callable(maker):
         raise KeyError(f"recipes/{recipe}/testing.py names {name!r}, which tests/trained_runs.py does not define")
@@ -111,13 +113,12 @@ def imagenet_data(factory: pytest.TempPathFactory) -> Path:
                                                                                  val_per_class=3))
 
 
-def imagenet_shards(factory: pytest.TempPathFactory) -> Path:
-    """The tiny ImageFolder's splits as shards, where ``data.format=shards`` reads them (``<data.root>/shards``)."""
-    from data_prep.timm_imagenet import shard
-
+def imagenet_shards(factory: pytest.TempPathFactory, recipe: str = "timm_imagenet") -> Path:
+    """The tiny ImageFolder's splits as shards, written by ``data_prep/<recipe>.py`` (which stamps
+    them with its recipe's name), where ``data.format=shards`` reads them (``<data.root>/shards``);
+    a copy's (``make new-recipe``) beside them."""
     data = imagenet_data(factory)
-    shared_run("imagenet_shards", factory, lambda _: shard(data, data / "shards", workers=1))
-    return data / "shards"
+    return _shards(recipe, "timm_imagenet", data, factory, lambda prep, shards: prep.shard(data, shards, workers=1))
 
 
 def voc_data(factory: pytest.TempPathFactory) -> Path:
@@ -136,13 +137,21 @@ def fungi_data(factory: pytest.TempPathFactory) -> Path:
     return shared_run("fungi_data", factory, make)
 
 
-def fungi_shards(factory: pytest.TempPathFactory) -> Path:
-    """The tiny FungiTastic's splits (full and minimal CSVs) as shards, where ``data.format=shards`` reads them."""
-    from data_prep.fungitastic import save_lists
-
+def fungi_shards(factory: pytest.TempPathFactory, recipe: str = "fungitastic") -> Path:
+    """The tiny FungiTastic's splits (full and minimal CSVs) as shards, written by
+    ``data_prep/<recipe>.py``, where ``data.format=shards`` reads them (a copy's beside them)."""
     data = fungi_data(factory)
-    shared_run("fungi_shards", factory, lambda _: save_lists(data, "mini", "300p", True, False, data / "shards"))
-    return data / "shards"
+    return _shards(recipe, "fungitastic", data, factory,
+                   lambda prep, shards: prep.save_lists(data, "mini", "300p", True, False, shards))
+
+
+def _shards(recipe: str, original: str, data: Path, factory: pytest.TempPathFactory,
+            write: Callable[[ModuleType, Path], None]) -> Path:
+    """``write(data_prep.<recipe>, folder)`` once per session; the folder: ``<data>/shards`` for
+    the recipe the data is ``original``ly for, ``<data>/shards-<recipe>`` for a copy of it."""
+    shards = data / ("shards" if recipe == original else f"shards-{recipe}")
+    shared_run(f"{recipe}_shards", factory, lambda _: write(importlib.import_module(f"data_prep.{recipe}"), shards))
+    return shards
 
 
 def dinov2_backbone(factory: pytest.TempPathFactory) -> Path:
