@@ -1,10 +1,12 @@
 """Every key of every recipe's schema changes what it should.
 
 The keys are read from the schemas themselves (each recipe's ``RunConfig`` dataclass, walked with
-``dataclasses.fields``), so a key added later has no check until one is written here, and
+``dataclasses.fields``), so a key added later has no check until one is written, and
 ``test_every_schema_key_has_a_check_or_a_reason`` fails until it has one. A check says what
 observable the key must change and to what value (``Check``); the few keys that change nothing a
-CPU can see say why, in :data:`NO_EFFECT_ON_A_CPU`.
+CPU can see say why, in :data:`NO_EFFECT_ON_A_CPU`. The checks of keys every recipe shares are
+here (:data:`CHECKS`); a recipe's own are in its ``recipes/<recipe>/testing.py`` with its tiny
+settings (``tests/recipe_tables.py`` reads them), so that a copied recipe brings them along.
 
 Each check runs the recipe's real ``train()`` in this process (``tests/recipe_probe.py``) twice,
 with the key as in the tiny test settings and changed, and compares one observable: the model's
