@@ -243,3 +243,24 @@ def test_a_copy_of_an_image_recipe_passes_its_tests_and_key_checks_and_resumes_a
     settings = [*tiny_settings_of_the_copy(sandbox, "demo_images", data), "trainer.epochs=2"]
     summary = killed_after_its_first_checkpoint_then_resumed(sandbox, "demo_images", settings, tmp_path / "resume")
     assert summary["steps"] == 2 * 24 // 8
+
+
+def test_the_files_of_a_recipe_whose_name_extends_the_originals_are_not_copied(tmp_path: Path) -> None:
+    """Copying ``foo`` beside a recipe ``foo_v2``: foo_v2's preset and tests are not foo's."""
+    from tools.new_recipe import files_to_copy
+
+    for path in ("recipes/foo/train.py", "recipes/foo/testing.py", "recipes/foo_v2/train.py", "conf/foo.yaml",
+                 "conf/foo_v2.yaml", "conf/experiment/foo_long.yaml", "conf/experiment/foo_v2_long.yaml",
+                 "conf/experiment/other.yaml", "tests/test_foo.py", "tests/test_foo_prep.py", "tests/test_foo_v2.py",
+                 "tests/test_foo_v2_prep.py", "cluster/isc/foo.isc"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    copied = [(str(source.relative_to(tmp_path)), str(copy.relative_to(tmp_path)))
+              for source, copy in files_to_copy(tmp_path, "foo", "bar")]
+    assert copied == [("recipes/foo/testing.py", "recipes/bar/testing.py"),
+                      ("recipes/foo/train.py", "recipes/bar/train.py"),
+                      ("conf/foo.yaml", "conf/bar.yaml"),
+                      ("conf/experiment/foo_long.yaml", "conf/experiment/bar_long.yaml"),
+                      ("tests/test_foo.py", "tests/test_bar.py"),
+                      ("tests/test_foo_prep.py", "tests/test_bar_prep.py"),
+                      ("cluster/isc/foo.isc", "cluster/isc/bar.isc")]

@@ -10,6 +10,7 @@ What it copies (``y`` is FROM, ``x`` is NAME; a file that is not there is skippe
   conf/search/y.yaml             -> conf/search/x.yaml
   data_prep/y.py                 -> data_prep/x.py
   tests/test_y.py, test_y_*.py   -> tests/test_x.py, test_x_*.py
+  (a y_* or test_y_* file of another recipe, one named y_<more>, is not copied)
   cluster/slurm/y.sbatch         -> cluster/slurm/x.sbatch
   cluster/isc/y.isc              -> cluster/isc/x.isc
 
@@ -18,8 +19,9 @@ underscore comes just before it (module paths ``recipes.y.train``, config names 
 ``recipe: str = "y"``, ``make train-y``, file names), and the CamelCase prefix of y's config
 classes (``FashionMNIST`` in ``class FashionMNISTConfig(RunConfig)`` of ``recipes/y/config.py``)
 becomes x's CamelCase name (``MyRecipe`` for ``my_recipe``) where a capital letter follows it and
-none of those comes before it. Prose that names the dataset (``Fashion-MNIST``) and names that
-only contain ``y`` (``write_fashion_mnist``, the tiny-data writer the tests share) stay as they are.
+none of those comes before it. Prose that names the dataset (``Fashion-MNIST``) and names in which
+``y`` follows such a character (``write_fashion_mnist``, the tiny-data writer the tests share) stay
+as they are.
 
 Nothing else is written and nothing existing is overwritten: the shared test tables
 (``tests/test_config_keys.py``, ``tests/trained_runs.py``) read the copy's ``recipes/x/testing.py``,
@@ -69,11 +71,10 @@ def files_to_copy(repo: Path, source: str, target: str) -> list[tuple[Path, Path
     for path in sorted((repo / "recipes" / source).rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts:
             pairs.append((path, repo / "recipes" / target / path.relative_to(repo / "recipes" / source)))
-    pairs.append((repo / "conf" / f"{source}.yaml", repo / "conf" / f"{target}.yaml"))
-    for path in sorted((repo / "conf" / "experiment").glob(f"{source}_*.yaml")):
-        if named_after(path.stem, source, repo):
-            pairs.append((path, renamed(path)))
-    for path in (repo / "conf" / "search" / f"{source}.yaml", repo / "data_prep" / f"{source}.py"):
+    experiments = [path for path in sorted((repo / "conf" / "experiment").glob(f"{source}_*.yaml"))
+                   if named_after(path.stem, source, repo)]
+    for path in (repo / "conf" / f"{source}.yaml", *experiments, repo / "conf" / "search" / f"{source}.yaml",
+                 repo / "data_prep" / f"{source}.py"):
         if path.is_file():
             pairs.append((path, renamed(path)))
     for path in sorted([*(repo / "tests").glob(f"test_{source}.py"), *(repo / "tests").glob(f"test_{source}_*.py")]):
