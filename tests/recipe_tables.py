@@ -1,9 +1,11 @@
 """The shared tests' entries for each recipe, read from the recipe itself: ``recipes/<r>/testing.py``.
 
-Nothing under ``tests/`` lists the recipes or keys a table by their names: each recipe folder
-declares what the shared tests need of it, so a recipe copied with ``make new-recipe`` carries its
-original's declaration and is tested as the original is, with no edit here. ``testing.py`` holds
-plain data (it imports nothing) under these names:
+The checks the suite runs for every recipe it finds (the key checks of ``tests/test_config_keys.py``
+and the probes and tiny runs of ``tests/recipe_probe.py`` and ``tests/trained_runs.py``) take each
+recipe's entries from the recipe's folder, not from a table under ``tests/`` keyed by its name: a
+recipe copied with ``make new-recipe`` carries its original's declaration and is checked as the
+original is, with no edit here. (Tests about chosen recipes, such as FSDP2 on timm_imagenet and
+fungitastic, still name them.) ``testing.py`` holds plain data (it imports nothing) under these names:
 
 * ``TINY``: overrides for tiny, fast runs on a CPU (this module adds :data:`COMMON`);
 * ``TINY_DATA``: ``{key: maker}``, the keys that point at the tiny data and, for each, the function
@@ -41,7 +43,6 @@ def declaration(recipe: str) -> ModuleType | None:
 
 
 DECLARED = {recipe: module for recipe in RECIPES if (module := declaration(recipe)) is not None}
-UNDECLARED = [recipe for recipe in RECIPES if recipe not in DECLARED]
 
 # recipe -> its tiny settings (the recipe's own, then the shared ones)
 TINY: dict[str, list[str]] = {recipe: [*module.TINY, *COMMON] for recipe, module in DECLARED.items()}
