@@ -23,7 +23,7 @@ WHICH ?=
 SPLIT ?=
 DEVICE ?= cuda
 
-.PHONY: help setup lint test eval stress-exit mutation-check bench bench-peers gpu-check compare export new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test docs eval stress-exit mutation-check bench bench-peers gpu-check compare export new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path] [RUN=run dir]"
@@ -67,9 +67,9 @@ CHECKPOINT_ARGS = "$(or $(RUN),$(error RUN=<run dir | checkpoint folder | checkp
 
 eval: $(STAMP) FORCE ## Evaluate a checkpoint (the recipe is the run's): RUN=<run dir> [WHICH=latest|best|<name>] [SPLIT=...] [ARGS=...] [NPROC=n]
 ifeq ($(NPROC),1)
-	$(PY) -m common.evaluate $(CHECKPOINT_ARGS) $(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
+	$(PY) -m common.after_training.evaluate $(CHECKPOINT_ARGS) $(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
 else
-	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m common.evaluate $(CHECKPOINT_ARGS) \
+	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m common.after_training.evaluate $(CHECKPOINT_ARGS) \
 		$(if $(SPLIT),--split "$(SPLIT)") $(ARGS)
 endif
 
@@ -77,13 +77,16 @@ eval-%: eval ## The same as make eval (kept for the recipe-named habit)
 	@:
 
 export: $(STAMP) FORCE ## Weights as safetensors + metadata.json: RUN=<run dir> [WHICH=latest|best|<name>] [OUT=dir] [ARGS=...]
-	$(PY) -m common.export $(CHECKPOINT_ARGS) $(if $(OUT),--out "$(OUT)") $(ARGS)
+	$(PY) -m common.after_training.export $(CHECKPOINT_ARGS) $(if $(OUT),--out "$(OUT)") $(ARGS)
 
 lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
 	$(VENV)/bin/ruff check .
 
 test: lint ## Lint, then run the test suite on every core, one worker more (CPU, offline; WORKERS=n, PYTEST_ARGS=...)
 	$(PY) -m pytest -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+docs: $(STAMP) ## Build the docs/ pages into a site in site/ with MkDocs Material (mkdocs build --strict)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 stress-exit: $(STAMP) ## Launch two kinds of 2-rank run TIMES times each (default 30): none may abort at exit (not in make test)
 	$(PY) -m tests.stress_exit --runs "$(or $(TIMES),30)"
@@ -95,7 +98,7 @@ bench: $(STAMP) ## Measure loop overhead, checkpoint stall and throughput; write
 	$(PY) -m benchmarks.run $(ARGS)
 
 # gpu-check takes .venv's Python where there is one, else python3: a GPU machine's own Python with the
-# wheels the README names (no make setup there; gpu-check names what is missing in one line).
+# wheels docs/benchmarks.md names (no make setup there; gpu-check names what is missing in one line).
 GPU_CHECK_PY = $(if $(wildcard $(PY)),$(PY),python3)
 
 gpu-check: FORCE ## Every GPU check and figure in one command, recorded in benchmarks/RESULTS.md (ARGS=--quick: checks only; DEVICE=cpu: tiny)
@@ -114,11 +117,11 @@ doctor: $(STAMP) ## Check this machine as cluster/launch.sh would: Python env, G
 	$(PY) -m cluster.doctor $(ARGS)
 
 isc-rehearse: $(STAMP) ## Rehearse an ISC experiment with its artifact sync: RECIPE=r [CYCLES=5] [CYCLE_S=90] [SYNC_S=600] [ARGS="--data DIR -- overrides"]
-	$(PY) -m cluster.isc.rehearse "cluster/isc/$(RECIPE).isc" --cycles "$(or $(CYCLES),5)" --cycle-seconds "$(or $(CYCLE_S),90)" \
+	$(PY) -m tools.isc_rehearse "cluster/isc/$(RECIPE).isc" --cycles "$(or $(CYCLES),5)" --cycle-seconds "$(or $(CYCLE_S),90)" \
 		$(if $(SYNC_S),--sync-seconds "$(SYNC_S)") $(ARGS)
 
-clean: ## Remove runs/, outputs/ and caches (keeps data/ and .venv)
-	rm -rf runs outputs multirun .pytest_cache
+clean: ## Remove runs/, outputs/, site/ and caches (keeps data/ and .venv)
+	rm -rf runs outputs multirun site .pytest_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 FORCE:

@@ -1,7 +1,7 @@
 """Checkpoint stall: how long a checkpoint of ResNet-50 + SGD momentum blocks the training loop.
 
 Three ways to save the same state into ``runs/benchmarks/``, where checkpoints normally go
-(what ``common.run.TrainingRun`` saves of a torchvision
+(what ``common.run.training_run.TrainingRun`` saves of a torchvision
 ResNet-50 after one SGD step with momentum, so every momentum buffer exists):
 
 * plain ``torch.save`` to a file: no fsync, no digest, not atomic (the baseline of the issue);
@@ -27,9 +27,9 @@ import torch
 import torchvision
 
 from benchmarks.results import Result
-from common.checkpoint import CheckpointManager
+from common.checkpoint.manager import CheckpointManager
 from common.pytorch.rng import rng_state
-from common.run import Progress
+from common.run.training_run import Progress
 
 BENCHMARK = "checkpoint stall (ResNet-50 + SGD momentum)"
 RUNS = Path(__file__).resolve().parents[1] / "runs" / "benchmarks"  # the file system real checkpoints go to

@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks.results import Result
 from common.data.image_batches import Normalize
 from common.pytorch.precision import autocast
-from common.telemetry import device_peak_flops
+from common.records.telemetry import device_peak_flops
 from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
 from recipes.dinov2_fsdp.model import DINOV2_ARCHITECTURES, DinoClassifier
 from recipes.dinov2_fsdp.train import make_optimizer

@@ -316,7 +316,7 @@ def check_recipe(report: Report, recipe: str, overrides: list[str], device: str,
 def step_lines(train_py: Path) -> tuple[set[int], set[int]]:
     """Lines of the training step in ``train_py`` (the loop over ``run.steps(...)`` whose body calls
     ``run.step_done``) and, within it, those allowed to sync: the logging branch, and the loop's
-    own line, where the run contract saves between steps (``common/run.py``)."""
+    own line, where the run contract saves between steps (``common/run/training_run.py``)."""
     tree = ast.parse(train_py.read_text())
     step: set[int] = set()
     allowed: set[int] = set()

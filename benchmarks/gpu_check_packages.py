@@ -2,8 +2,9 @@
 
 A GPU machine may run its own Python with PyTorch, torchvision, timm and transformers and none of
 this project's other requirements, and reach no package index: the wheels of the rest go into
-``.whl/`` (README, "``make gpu-check``"). What is missing is then one line, not a traceback from
-the first recipe that imports it. Standard library only: it runs before torch is imported.
+``.whl/`` (docs/benchmarks.md, "On a GPU machine without ``make setup``"). What is missing is then
+one line, not a traceback from the first recipe that imports it. Standard library only: it runs
+before torch is imported.
 """
 
 from __future__ import annotations
@@ -40,6 +41,6 @@ def exit_if_missing(needed: dict[str, str] = NEEDED) -> None:
     missing = missing_packages(needed)
     if missing:
         print(f"error: gpu-check needs Python packages that {sys.executable} does not have: {', '.join(missing)} "
-              f"(run `make setup`, or on a GPU machine install the wheels in .whl/: see the README, `make gpu-check`)",
+              f"(run `make setup`, or on a GPU machine install the wheels in .whl/: see docs/benchmarks.md)",
               file=sys.stderr, flush=True)
         sys.exit(2)

@@ -29,17 +29,18 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.results import Result
+from common.config import CheckpointConfig
 from common.data.sampler import ResumableDistributedSampler
-from common.divergence import NonfiniteWatch
 from common.entry import compose_config, typed_config
-from common.loggers import RunLogger
 from common.pytorch.determinism import configure_determinism
 from common.pytorch.distributed import init_distributed
 from common.pytorch.metrics import SumMetrics
 from common.pytorch.optim import warmup_cosine, weight_decay_groups
 from common.pytorch.rng import seeded_generator
-from common.run import CheckpointCadence, Decision, StopSignals
-from common.telemetry import StepTelemetry
+from common.records.loggers import RunLogger
+from common.records.telemetry import StepTelemetry
+from common.run.cadence import CheckpointCadence, Decision, StopSignals
+from common.run.divergence import NonfiniteWatch
 from recipes.fashion_mnist import train as recipe
 from recipes.fashion_mnist.config import FashionMNISTConfig
 from recipes.fashion_mnist.data import load_split, normalize
@@ -194,7 +195,7 @@ def bookkeeping_us_per_step(device: torch.device, steps: int, batch_size: int, l
     sums = SumMetrics(device)
     watch = NonfiniteWatch(device)
     stop_signals = StopSignals()
-    cadence = CheckpointCadence(0, 1e9, 10, stop_signals)
+    cadence = CheckpointCadence(CheckpointConfig(every_steps=0, every_seconds=1e9, sync_every_steps=10), stop_signals)
     logger = RunLogger("none", log_dir, True, "bench", progress_bar=False)
     bar = logger.progress(steps, 0, "bookkeeping")
     telemetry = StepTelemetry(device, "fp32")

@@ -180,7 +180,7 @@ def at_fifth_step(logs: list[tuple[int, float]], started: float, step_seconds: l
 
 def run_recipe(settings: Settings, data: Path, workdir: Path, compile_model: bool = False) -> RunFigures:
     """timm_imagenet's run; its windows from the times of its ``metrics.jsonl`` records."""
-    from common.loggers import METRICS_FILE, read_metrics_file
+    from common.records.loggers import METRICS_FILE, read_metrics_file
 
     run_dir = workdir / f"recipe{'-compiled' if compile_model else ''}"
     started = time.time()

@@ -16,7 +16,7 @@ another node reads it from storage, at that storage's speed.
 With ``trainer.compile=true`` (fashion_mnist), every process gets an empty Inductor cache folder
 of its own, as on a node that never ran the job: a cold resume starts from a checkpoint without a
 compile cache (written by an eager run) and compiles; a warm one starts from the checkpoint of a
-compiled run and takes the compiled code from it (``common/compile_cache.py``). Not in ``--quick``:
+compiled run and takes the compiled code from it (``common/run/compile_cache.py``). Not in ``--quick``:
 a cold compile alone takes about a minute on a CPU.
 """
 
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from benchmarks.results import Result
-from common.checkpoint import CheckpointManager
-from common.compile_cache import ARCHIVE_FILE, CACHE_DIR_VARIABLE
+from common.checkpoint.manager import CheckpointManager
+from common.run.compile_cache import ARCHIVE_FILE, CACHE_DIR_VARIABLE
 from tools.tiny_data import write_cifar100_tarball, write_fashion_mnist
 
 BENCHMARK = "resume cost (process start to end of first step)"
@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 PROBE = """
 import os, sys, time
 import torch
-import common.run
-from common.run import CheckpointCadence
+import common.run.training_run
+from common.run.training_run import CheckpointCadence
 import importlib.util, runpy
 
 exit_after, steps_seen = int(sys.argv[1]), 0
@@ -62,7 +62,7 @@ class FirstStepProbe(CheckpointCadence):
             os._exit(0)
         return super().after_step(step, nonfinite, micro_batch)
 
-common.run.CheckpointCadence = FirstStepProbe
+common.run.training_run.CheckpointCadence = FirstStepProbe
 sys.argv = [importlib.util.find_spec("recipes.{recipe}.train").origin, *sys.argv[2:]]
 runpy.run_module("recipes.{recipe}.train", run_name="__main__")
 """

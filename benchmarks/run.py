@@ -29,7 +29,7 @@ import torch
 
 import benchmarks
 from benchmarks.results import Result
-from common.provenance import cpu_model
+from common.records.provenance import cpu_model
 
 RESULTS_FILE = Path(__file__).with_name("RESULTS.md")
 NOT_BENCHMARKS = {"run", "results", "gpu_check"}
@@ -109,8 +109,8 @@ def write_results(path: Path, hand: str, sections: dict[str, str], machine: str,
     text = "\n".join([
         "# Benchmark results",
         "",
-        "Written by `make bench` (`python -m benchmarks.run`); see the Benchmarks section of the README for how "
-        "to read them. Everything outside the hand-written section is regenerated.",
+        "Written by `make bench` (`python -m benchmarks.run`); see docs/benchmarks.md for how to read them. "
+        "Everything outside the hand-written section is regenerated.",
         "",
         HAND_START,
         hand.rstrip("\n"),

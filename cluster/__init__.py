@@ -1,1 +1,1 @@
-"""Cluster tooling: pre-flight checks, the doctor and the ISC rehearsal (see cluster/README.md)."""
+"""Getting a run onto machines: torchrun with one process's exit codes, pre-flight checks, the doctor."""

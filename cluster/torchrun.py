@@ -17,7 +17,7 @@ it reports when the workers end:
 * when a worker stopped because a collective hung (``trainer.collective_timeout_s``), the exit
   code is 4. Rank 0 prints the line naming the ranks that did not arrive; when it could not (it
   was frozen, or NCCL aborted it: then NCCL's flight recorder dumped into the run's ``hang/``
-  folder), this launcher prints it from the ranks' heartbeat files (``common/heartbeat.py``);
+  folder), this launcher prints it from the ranks' heartbeat files (``common/records/heartbeat.py``);
 * SIGUSR1 (SLURM's usual warning signal) is forwarded to the workers like SIGTERM, and workers
   get 120 s to write their checkpoint before torchrun kills them (its default is 30 s). Both can
   be set as for torchrun: ``--signals-to-handle`` or ``PET_SIGNALS_TO_HANDLE``, and
@@ -41,10 +41,10 @@ from torch.distributed.elastic.multiprocessing.api import PContext, SignalExcept
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.run import determine_local_world_size, parse_args, run
 
-from common import heartbeat
 from common.entry import EXIT_CODE_DIR, compose_config, fail
 from common.errors import EXIT_DIVERGED, EXIT_HUNG, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 from common.pytorch.distributed import NCCL_TRACE_PREFIX
+from common.records import heartbeat
 
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_TIMEOUT_S = "120"

@@ -1,14 +1,13 @@
 """Config schema pieces every recipe shares (Hydra structured configs).
 
-Each recipe composes these into its own top-level dataclass in ``recipes/<r>/config.py``, which
-holds every default of the recipe: its own nodes' field defaults, and the values it gives the
-shared nodes (``trainer``, ``checkpoint``) where they differ from the defaults here; the nodes no
-recipe changes (``profile``) are fields of :class:`RunConfig` itself.
-``common.entry.recipe_main`` registers that dataclass with Hydra; ``conf/<r>.yaml`` composes it
-with the shared run layout and sets no values. Because the schema is typed, an unknown key or
-a value of the wrong type fails before any work. The same idea has the same key in every recipe:
-``ema.*``, ``mixup.*``, ``optim.label_smoothing``, ``trainer.eval_batch_size``, and ``eval/top1``
-for top-1 accuracy.
+- ``recipes/<r>/config.py`` subclasses :class:`RunConfig` and holds every default of the recipe:
+  its own nodes, and the shared nodes (``trainer``, ``checkpoint``) where its defaults differ.
+- Nodes no recipe changes (``profile``, ``logging``) are fields of :class:`RunConfig` itself.
+- ``common.entry.recipe_main`` registers the recipe's dataclass with Hydra; ``conf/<r>.yaml``
+  composes it with the shared run layout and sets no values.
+- Typed: an unknown key or a value of the wrong type fails in one line, before any work.
+- One idea, one key in every recipe: ``ema.*``, ``mixup.*``, ``optim.label_smoothing``,
+  ``trainer.eval_batch_size``; the metric ``eval/top1`` for top-1 accuracy.
 """
 
 from __future__ import annotations
@@ -75,29 +74,27 @@ class ActivationCheckpointing(str, Enum):
 
 
 class OutOfMemory(str, Enum):
-    """What a run does when CUDA runs out of memory in a step's forward or backward pass
-    (``common/out_of_memory.py``)."""
+    """What a run does when CUDA runs out of memory in a forward or backward pass (``common/run/out_of_memory.py``)."""
 
     stop = "stop"  # one line naming the step and a smaller trainer.batch_size to try; exit code 2
     halve = "halve"  # redo the step with half the micro-batch, the global batch kept by accumulation
 
 
 class Nonfinite(str, Enum):
-    """What a run does when its training loss or gradient norm stops being finite (``common/run.py``)."""
+    """What a run does when its training loss or gradient norm stops being finite (``common/run/divergence.py``)."""
 
     stop = "stop"  # every rank stops, exit code 3; the last finite checkpoint stays the latest
     rollback = "rollback"  # back to the last finite checkpoint, skipping the batches up to the bad step
 
 
 COLLECTIVE_TIMEOUT_S = 300.0
-"""How long a rank waits in a collective before the run is declared hung (``trainer.collective_timeout_s``).
+"""Default of ``trainer.collective_timeout_s``: seconds a rank waits in a collective before the run is hung.
 
-The slowest collectives we make wait for one rank's I/O: a synchronous checkpoint save (the other
-ranks wait while rank 0 writes, fsyncs and hashes ``state.pt``: under a second for ResNet-50, about
-a minute for a 13 GB dinov2 giant state on network storage) and a resume (rank 0 verifies every
-file's sha256 before it broadcasts the choice: the same order). An evaluation and a first compiled
-step keep the ranks in step, so they differ by a batch. 300 s leaves twice the worst of these,
-and a hung job wastes 5 minutes of its allocation instead of torch's 10 (NCCL) or 30 (gloo)."""
+- Twice the slowest collective we make: one that waits for rank 0's I/O, a synchronous checkpoint
+  save or a resume's sha256 checks (their durations: benchmarks/RESULTS.md, "Figures behind
+  defaults in common/").
+- A hung job wastes 5 minutes of its allocation, not torch's 10 (NCCL) or 30 (gloo).
+"""
 
 
 @dataclass
@@ -129,13 +126,13 @@ class TrainerConfig:
     nonfinite: Nonfinite = Nonfinite.stop
     rollback_lr_factor: float = 1.0  # rollback: the LR (and its schedule) is multiplied by this at each rollback
     max_rollbacks: int = 3  # rollback: after this many, a non-finite step stops the run as with stop
-    # Seconds a rank waits in a collective before the run stops as hung (exit 4; common/heartbeat.py).
+    # Seconds a rank waits in a collective before the run stops as hung (exit 4; common/records/heartbeat.py).
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
 @dataclass
 class CheckpointConfig:
-    # On the ISC, CHECKPOINT_ARTIFACT_PATH is where checkpoints must go (layout: common/checkpoint.py).
+    # On the ISC, CHECKPOINT_ARTIFACT_PATH is where checkpoints must go (layout: common/checkpoint/layout.py).
     dir: str = "${oc.env:CHECKPOINT_ARTIFACT_PATH,${run_dir}/checkpoints}"
     every_steps: int = 0  # 0 = not by step count
     every_seconds: float = 30.0  # wall clock; the ISC interrupts every 90 s in rapid cycling
@@ -160,8 +157,10 @@ class LoggingConfig:
 
 @dataclass
 class EmaConfig:
-    """An exponential moving average of the weights (timm's ``ModelEmaV3``), checkpointed, and
-    evaluated beside the model as ``eval_ema/*``."""
+    """An exponential moving average of the weights (timm's ``ModelEmaV3``).
+
+    - Checkpointed, and evaluated beside the model as ``eval_ema/*``.
+    """
 
     enabled: bool = False
     decay: float = 0.9998  # per optimizer step
@@ -198,7 +197,7 @@ class FSDPConfig(FSDPSettings):
 
 @dataclass
 class ProfileConfig:
-    """``torch.profiler`` traces and CUDA memory snapshots on demand (``common/profiling.py``)."""
+    """``torch.profiler`` traces and CUDA memory snapshots on demand (``common/records/profiling.py``)."""
 
     enabled: bool = False  # trace optimizer steps start_step .. start_step + active_steps - 1, every rank
     start_step: int = 10  # the first traced optimizer step (steps count from 1)
@@ -211,7 +210,11 @@ class ProfileConfig:
 
 @dataclass
 class RunConfig:
-    """Fields every recipe's top-level config starts with."""
+    """Fields every recipe's top-level config starts with.
+
+    - A recipe's subclass sets ``recipe`` and adds its own nodes (``data``, ``model``, ``optim``, ...).
+    - Nodes no recipe changes are here: ``profile``, ``logging``.
+    """
 
     recipe: str = "???"
     name: str = "default"  # the run's name: runs/<recipe>/<name> unless run_dir is set
@@ -223,12 +226,16 @@ class RunConfig:
     init_from: str = ""
     init_skip_head: bool = False  # leave the classifier head out of init_from (when the classes differ)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 def plain_config(cfg: Any) -> Any:
-    """A config (a schema's dataclass, or a node of one) as plain data, enums by name: what
-    ``OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)`` gives, without
-    validating the schema again (10 ms a call, a few calls a process)."""
+    """A config (a schema's dataclass, or a node of one) as plain data, enums by name.
+
+    - The same as ``OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)``, without
+      validating the schema again (which costs more: benchmarks/RESULTS.md, "Figures behind
+      defaults in common/").
+    """
     if dataclasses.is_dataclass(cfg):
         return {item.name: plain_config(getattr(cfg, item.name)) for item in dataclasses.fields(cfg)}
     if isinstance(cfg, Enum):
@@ -241,10 +248,13 @@ def plain_config(cfg: Any) -> Any:
 
 
 def config_record(cfg: RunConfig) -> dict[str, Any]:
-    """``cfg`` as a run records it (``.hydra/config.yaml``, every checkpoint's manifest): plain
-    data, with every path inside the run directory written relative to it
-    (``${run_dir}/checkpoints``), so that a run moved to another folder or machine still finds
-    its own files when the tools read it back (``common/trained.py``)."""
+    """``cfg`` as a run records it (``.hydra/config.yaml``, every checkpoint's manifest).
+
+    - Plain data (:func:`plain_config`).
+    - Every path inside the run directory is written relative to it (``${run_dir}/checkpoints``):
+      a run moved to another folder or machine still finds its own files
+      (``common/after_training/trained.py``).
+    """
     run_dir = cfg.run_dir.rstrip("/")
 
     def relocatable(value: Any) -> Any:

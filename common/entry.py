@@ -1,11 +1,10 @@
-"""The entry point every recipe uses: Hydra main, typed schema, one-line errors, exit codes.
+"""The entry point every recipe uses: Hydra's command line, the typed schema, one-line errors, exit codes.
 
-``python -m recipes.<r>.train [overrides]`` behaves the same alone or under torchrun. Hydra composes
-the config once against the recipe's schema (:func:`recipe_main`); a bad override or a
-:class:`~common.errors.UserError` is one line on stderr and exit 2, a stop signal exit 75 once the
-checkpoint is written, a hang exit 4 (README "Exit codes"). Hydra's own flags work as usual
-(``--cfg job`` prints the resolved config), and the run directory is the deterministic
-``run_dir``, so a restarted job finds its checkpoints.
+- ``python -m recipes.<r>.train [overrides]`` runs :func:`recipe_main`, alone or under torchrun.
+- Exit codes (``common/errors.py``, docs/run-contract.md, "Exit codes"): 0 done, 2 user error or bad override,
+  3 diverged, 4 hung, 75 pre-empted (checkpoint written, run again to resume); 1 is a bug, with
+  its traceback.
+- The run directory is the deterministic ``run_dir``: a restarted job finds its checkpoints.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import contextlib
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -28,40 +28,55 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from common import heartbeat
 from common.config import RunConfig, config_record, plain_config
 from common.errors import EXIT_HUNG, EXIT_USER_ERROR, Preempted, RunStopped, UserError
-from common.profiling import out_of_memory_error, record_memory_history
 from common.pytorch import distributed
 from common.pytorch.determinism import configure_determinism
 from common.pytorch.distributed import DistInfo
+from common.recipes import RecipeSpec
+from common.records import heartbeat
+from common.records.profiling import out_of_memory_error, record_memory_history
 from common.run_lock import RunLockHeld, run_locks
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-CONFIG_FOLDER = ".hydra"  # in the run directory: the config a run used (common/trained.py reads it)
+CONFIG_FOLDER = ".hydra"  # in the run directory: the config a run used (common/after_training/trained.py reads it)
 CONFIG_ERRORS = (HydraException, OmegaConfBaseException, ValueError)  # ValueError: a value no schema type takes
 EXIT_CODE_DIR = "RECIPES_EXIT_CODE_DIR"
 """Set by ``cluster/torchrun.py``: the folder where each worker records why it stopped (a file per rank)."""
 
 
 def record_exit_code(code: int) -> None:
-    """Leave ``code`` where the launcher looks for it (see :data:`EXIT_CODE_DIR`), if it does."""
+    """Leave ``code`` in ``$RECIPES_EXIT_CODE_DIR/rank<RANK>`` for the launcher; nothing when it is unset."""
     folder = os.environ.get(EXIT_CODE_DIR)
     if folder and os.path.isdir(folder):
         Path(folder, f"rank{os.environ.get('RANK', '0')}").write_text(str(code))
 
 
-def fail(message: str) -> NoReturn:
+def report_user_error(message: str) -> int:
+    """Print ``error: <message>`` on stderr and record exit code 2 (:func:`record_exit_code`).
+
+    - Returns :data:`~common.errors.EXIT_USER_ERROR`, the code to exit with.
+    """
     print(f"error: {message}", file=sys.stderr, flush=True)
     record_exit_code(EXIT_USER_ERROR)
-    sys.exit(EXIT_USER_ERROR)
+    return EXIT_USER_ERROR
 
 
-def _report_stop(stop: RunStopped) -> None:
-    """Print ``stop``'s line (on rank 0 alone when the ranks agreed on it) and record its exit code
-    for the launcher; once."""
+def fail(message: str) -> NoReturn:
+    """End an entry point with ``error: <message>`` and exit code 2 (:func:`report_user_error`)."""
+    sys.exit(report_user_error(message))
+
+
+def report_stop(stop: RunStopped) -> int:
+    """Print ``stop``'s one line and record its exit code for the launcher; returns that code.
+
+    - A :class:`~common.errors.Preempted` prints ``...; exiting with code 75 (run again to resume)`` on
+      stdout; any other stop ``error: <message>`` on stderr.
+    - A stop the ranks agreed on is printed by rank 0 alone; a stop is reported once, however often
+      this is called.
+    """
     if getattr(stop, "reported", False):
-        return
+        return stop.exit_code
     if not stop.agreed or distributed.launch_rank() == 0:
         if isinstance(stop, Preempted):
             print(f"{stop}; exiting with code {stop.exit_code} (run again to resume)", flush=True)
@@ -69,12 +84,7 @@ def _report_stop(stop: RunStopped) -> None:
             print(f"error: {user_message(stop)}", file=sys.stderr, flush=True)
     record_exit_code(stop.exit_code)
     stop.reported = True
-
-
-def stop_run(stop: RunStopped) -> NoReturn:
-    """Report ``stop`` (:func:`_report_stop`) and exit with its code."""
-    _report_stop(stop)
-    sys.exit(stop.exit_code)
+    return stop.exit_code
 
 
 def exit_code(stop: SystemExit) -> int:
@@ -85,15 +95,14 @@ def exit_code(stop: SystemExit) -> int:
 
 
 def exit_process(code: int) -> NoReturn:
-    """End an entry point's process with ``code`` once its work is saved and its files closed.
+    """End an entry point's process with ``code``, once its work is saved and its files closed.
 
-    A process that joined a process group ends without Python's interpreter shutdown, as
-    ``multiprocessing`` ends the children it forks: PyTorch may still hold the group (DTensor's
-    caches keep FSDP2's device mesh and with it the group), and a gloo worker thread that frees a
-    tensor during that shutdown aborts the process after a run that finished (see
-    :func:`common.pytorch.distributed.shutdown_distributed`). Everything the run writes is already written
-    and closed by then; the ``atexit`` handlers still run (logging's flush among them, while the
-    interpreter is whole) and the standard streams are flushed.
+    - Not in a process group: ``sys.exit(code)``.
+    - Joined a process group: the ``atexit`` handlers run and the standard streams are flushed,
+      then ``os._exit(code)``, skipping the interpreter's shutdown, as ``multiprocessing`` ends the
+      children it forks. PyTorch may still hold the group there (DTensor caches FSDP2's device
+      mesh), and a gloo thread freeing a tensor during that shutdown aborts a finished run
+      (:func:`common.pytorch.distributed.shutdown_distributed`).
     """
     if not distributed.joined_a_group():
         sys.exit(code)
@@ -104,10 +113,12 @@ def exit_process(code: int) -> NoReturn:
 
 
 def _end_hung_process() -> NoReturn:
-    """End a process of a hung run (:mod:`common.heartbeat`) at once with :data:`EXIT_HUNG`, recorded
-    for the launcher. Its process group is broken: tearing it down, or an ``atexit`` handler that
-    uses it, could wait for ever. Every committed checkpoint is intact, and the standard streams
-    are flushed."""
+    """End a process of a hung run (:mod:`common.records.heartbeat`) at once with exit code 4.
+
+    - Records the code for the launcher and flushes the standard streams; nothing else runs: the
+      broken process group could make a teardown or an ``atexit`` handler wait for ever.
+    - Every committed checkpoint is intact.
+    """
     record_exit_code(EXIT_HUNG)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -115,8 +126,11 @@ def _end_hung_process() -> NoReturn:
 
 
 def user_message(error: Exception) -> str:
-    """The error's message. A DataLoader re-raises a worker's error with the worker's traceback
-    in its message; the original message is then the last line, which is what the user needs."""
+    """The message of ``error`` a user needs, on one line where the error gives one.
+
+    - A DataLoader re-raises a worker's error with the worker's traceback in its message: the last
+      line, the original message, is returned without its ``module.Type: `` prefix.
+    """
     text = str(error).strip()
     prefix = f"{type(error).__module__}.{type(error).__qualname__}: "
     last = text.splitlines()[-1] if text else text
@@ -124,7 +138,7 @@ def user_message(error: Exception) -> str:
 
 
 def config_error_line(error: BaseException) -> str:
-    """The most specific message of a Hydra/OmegaConf error chain, on one line."""
+    """The most specific message of a Hydra/OmegaConf error chain, on one line (its first two, joined)."""
     messages = []
     while error is not None:
         text = str(error).strip()
@@ -140,14 +154,17 @@ def _schema_name(recipe: str) -> str:
 
 
 def register_schema(schema: type[RunConfig]) -> str:
-    """Store ``schema`` in Hydra's ConfigStore under :func:`_schema_name`; return its recipe."""
+    """Store ``schema`` in Hydra's ConfigStore as ``<recipe>_schema``; returns its recipe."""
     recipe = schema.recipe
     ConfigStore.instance().store(name=_schema_name(recipe), node=schema)
     return recipe
 
 
 def recipe_schema(recipe: str) -> type[RunConfig]:
-    """The schema of ``recipe``: the ``RunConfig`` dataclass of ``recipes/<recipe>/config.py``."""
+    """The schema of ``recipe``: the ``RunConfig`` dataclass of ``recipes/<recipe>/config.py``.
+
+    - Raises :class:`UserError` when there is no such recipe or dataclass.
+    """
     try:
         module = importlib.import_module(f"recipes.{recipe}.config")
     except ModuleNotFoundError as error:
@@ -159,7 +176,10 @@ def recipe_schema(recipe: str) -> type[RunConfig]:
 
 
 def check_resolves(cfg: DictConfig) -> None:
-    """Every value of ``cfg`` resolves (interpolations, environment variables, no ``???`` left)."""
+    """Check that every value of ``cfg`` resolves: interpolations, environment variables, no ``???`` left.
+
+    - Raises :class:`UserError` with the error's one line (:func:`config_error_line`).
+    """
     try:
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except CONFIG_ERRORS as error:
@@ -168,13 +188,18 @@ def check_resolves(cfg: DictConfig) -> None:
 
 def typed_config(cfg: DictConfig) -> RunConfig:
     """``cfg`` as its schema's dataclasses (enums as enum members): what a recipe's code receives.
-    Converted once, where Hydra hands the config over; attribute reads then cost nothing."""
+
+    - Converted once, where Hydra hands the config over; attribute reads then cost nothing.
+    """
     return OmegaConf.to_object(cfg)
 
 
 def compose_config(recipe: str, overrides: list[str]) -> DictConfig:
-    """The config ``python -m recipes.<recipe>.train *overrides`` would run with, resolvable, for
-    tools and tests; a bad override is a one-line :class:`UserError`."""
+    """The config ``python -m recipes.<recipe>.train *overrides`` would run with, for tools and tests.
+
+    - Resolvable (:func:`check_resolves`); Hydra's own ``hydra`` node left out.
+    - Raises :class:`UserError` with one line for a bad override or an unknown recipe.
+    """
     register_schema(recipe_schema(recipe))
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -185,22 +210,14 @@ def compose_config(recipe: str, overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def _print_job_config_resolved() -> None:
-    """Make ``--cfg job`` print the config as the run will see it (Hydra's ``--resolve``), read
-    with Hydra's own argument parser. (Hydra's own config cannot be resolved outside a run.)"""
-    from hydra._internal.utils import get_args_parser
-
-    args, _ = get_args_parser().parse_known_args(sys.argv[1:])
-    if args.cfg == "job" and not args.resolve:
-        sys.argv.append("--resolve")
-
-
 @contextlib.contextmanager
 def distributed_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]:
-    """This process set up to run ``cfg``'s model: PyTorch's determinism and speed switches (before
-    CUDA starts), then its device and process group (``common.pytorch.distributed.init_distributed``, with
-    ``trainer.collective_timeout_s``; ``process_group``'s options go there too); the group is
-    destroyed at the end."""
+    """This process set up to run ``cfg``'s model; yields its :class:`DistInfo`.
+
+    - First PyTorch's determinism and speed switches (``trainer.deterministic``; before CUDA starts).
+    - Then the device and process group (:func:`common.pytorch.distributed.init_distributed`, with
+      ``trainer.collective_timeout_s`` and the ``process_group`` options); destroyed at the end.
+    """
     configure_determinism(cfg.trainer.deterministic, cfg.device)
     dist_info = distributed.init_distributed(cfg.device, timeout_s=cfg.trainer.collective_timeout_s, **process_group)
     try:
@@ -211,16 +228,21 @@ def distributed_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistIn
 
 @contextlib.contextmanager
 def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]:
-    """A :func:`distributed_process` that trains into ``cfg.run_dir``: rank 0 holds the run's lock
-    (``common/run_lock.py``) for the job's ranks before anything reads a checkpoint, then records
-    the config in ``.hydra/`` and prints it, resolved, once per segment (SLURM's and the ISC's logs
-    are where people look). A run held by another launch is a one-line error on every rank,
-    printed once, and nothing is written. A stop every rank agreed on (a refused lock, a divergence)
-    is reported before any rank exits: a launcher that sees one rank end stops the others. Every
-    rank then keeps a heartbeat in the run directory, and a collective's timeout ends the run as
-    hung (:func:`common.heartbeat.beating`, :func:`_end_hung_process`). A CUDA out-of-memory error
-    becomes a one-line error (``common/profiling.py``; with ``profile.memory_on_oom`` the allocation
-    history is recorded from here on, and dumped then)."""
+    """A :func:`distributed_process` that trains into ``cfg.run_dir``; yields its :class:`DistInfo`.
+
+    - Rank 0 holds the run's lock (``common/run_lock.py``) for the job's ranks before anything reads
+      a checkpoint. A run held by another launch raises :class:`UserError` (agreed) on every rank,
+      and nothing is written.
+    - Rank 0 then records the config in ``.hydra/`` and prints it resolved, once per segment
+      (SLURM's and the ISC's logs are where people look).
+    - Every rank keeps a heartbeat in the run directory; a collective's timeout ends the process as
+      hung, exit code 4 (:func:`common.records.heartbeat.beating`).
+    - A stop the ranks agreed on (a refused lock, a divergence) is reported before any rank exits:
+      a launcher that sees one rank end stops the others.
+    - Raises a CUDA out-of-memory error as a one-line :class:`UserError`
+      (``common/records/profiling.py``); ``profile.memory_on_oom`` records the allocation history
+      from here on, and dumps it then.
+    """
     with distributed_process(cfg, hang_dir=Path(cfg.run_dir) / heartbeat.HANG_DIR, **process_group) as dist_info:
         if cfg.profile.memory_on_oom and not record_memory_history(dist_info.device) and dist_info.is_main:
             print(f"profile.memory_on_oom: no memory history, it records CUDA allocations and this run is on "
@@ -246,7 +268,7 @@ def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]
                 yield dist_info
         except RunStopped as stop:
             if stop.agreed:
-                _report_stop(stop)
+                report_stop(stop)
                 distributed.barrier()
             raise
         except torch.OutOfMemoryError as error:
@@ -255,10 +277,12 @@ def training_process(cfg: RunConfig, **process_group: Any) -> Iterator[DistInfo]
 
 
 def _record_config(cfg: RunConfig) -> Path:
-    """``.hydra/config.yaml`` (and ``overrides.yaml`` when Hydra composed ``cfg``) in the run
-    directory, where Hydra would write them (:func:`common.config.config_record`); written here,
-    once the run's lock is held, so that a launch refused by the lock leaves the running one's
-    files alone (``conf/run_layout.yaml`` turns Hydra's own copy off). Returns the config's path."""
+    """Write ``.hydra/config.yaml`` (``overrides.yaml`` too under Hydra) in the run directory; returns its path.
+
+    - Paths inside the run directory are written relative to it (:func:`common.config.config_record`).
+    - Written here, once the run's lock is held, so that a launch the lock refuses leaves the
+      running one's files alone (``conf/run_layout.yaml`` turns Hydra's own copy off).
+    """
     folder = Path(cfg.run_dir) / CONFIG_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(config_record(cfg)), folder / "config.yaml")
@@ -276,40 +300,62 @@ def exit_after(main: Callable[[], Any]) -> NoReturn:
     exit_process(0)
 
 
-def recipe_main(schema: type[RunConfig], train: Callable[[Any, DistInfo], Any],
-                process_group: Callable[[Any], dict[str, Any]] | None = None) -> NoReturn:
-    """Run a recipe from the command line: compose ``conf/<recipe>.yaml`` with the overrides in
-    ``sys.argv`` against ``schema``, then ``train(cfg, dist_info)`` with the config typed
-    (:func:`typed_config`) inside a :func:`training_process` (with the options ``process_group(cfg)``
-    gives, where the recipe needs some); end the process (:func:`exit_after`)."""
+def _with_resolve_for_cfg_job(argv: list[str]) -> list[str]:
+    """``argv`` with ``--resolve`` added to ``--cfg job``, so that it prints the config as the run sees it.
+
+    - Read with Hydra's own argument parser; Hydra's own config (``--cfg hydra|all``) cannot be
+      resolved outside a run, and is left alone.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(argv[1:])
+    return [*argv, "--resolve"] if args.cfg == "job" and not args.resolve else argv
+
+
+def _raised_in(error: BaseException, function: Callable[..., Any]) -> bool:
+    """Whether ``error`` was raised while ``function`` ran: its traceback passes through it."""
+    return any(frame.f_code is function.__code__ for frame, _ in traceback.walk_tb(error.__traceback__))
+
+
+def recipe_main(spec: RecipeSpec, train: Callable[[Any, DistInfo], Any]) -> int:
+    """Run a recipe from its command line; returns the process's exit code.
+
+    - ``spec``: the recipe's ``SPEC``; ``conf/<recipe>.yaml`` is composed against ``spec.schema``
+      with the command line's overrides, and ``spec.process_group(cfg)`` gives the process group's options.
+    - ``train(cfg, dist_info)``: the recipe's loop, called with the config typed (:func:`typed_config`)
+      inside a :func:`training_process`.
+    - Hydra's command line as usual: overrides, ``--cfg job`` (printed resolved), ``--help``, ``-m``
+      (each sweep job in its own ``run_dir``, the sweep's output directory).
+    - Returns 0 when the run is done, 2 after a bad override's one line, a stop's code after its one
+      line (:func:`report_stop`), or the code Hydra's own flags exit with (``--help`` 0).
+    - A hang ends the process from its heartbeat thread, with exit code 4 (:func:`_end_hung_process`).
+    - Raises a bug's exception (a traceback, exit code 1), and a bad override's when the user set
+      ``HYDRA_FULL_ERROR=1`` (Hydra's traceback).
+    - Its caller ends the process with the code: ``exit_process(recipe_main(SPEC, train))``.
+    """
     import hydra
 
-    @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=schema.recipe)
-    def hydra_task(cfg: DictConfig) -> Any:
+    def run_task(cfg: DictConfig) -> None:  # Hydra's task: cfg composed from the command line, in its output dir
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             cfg.run_dir = HydraConfig.get().runtime.output_dir
         try:
             check_resolves(cfg)
             typed = typed_config(cfg)
-            with training_process(typed, **(process_group(typed) if process_group else {})) as dist_info:
-                return train(typed, dist_info)
-        except RunStopped as stop:
-            stop_run(stop)
-        except CONFIG_ERRORS as error:  # a bug in the recipe, not a bad override: keep its traceback
-            error.raised_by_recipe = True
+            with training_process(typed, **spec.process_group(typed)) as dist_info:
+                train(typed, dist_info)
+        except RunStopped as stop:  # user error 2, diverged 3, pre-empted 75: its line, out past Hydra as SystemExit
+            raise SystemExit(report_stop(stop))
+
+    register_schema(spec.schema)
+    sys.argv = _with_resolve_for_cfg_job(sys.argv)  # @hydra.main reads its command line from sys.argv
+    hydra_traces = os.environ.get("HYDRA_FULL_ERROR") == "1"  # the user asked for Hydra's traceback of a bad override
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra's switch: it raises errors to here, not printing them and exiting 1
+    try:
+        hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=spec.schema.recipe)(run_task)()
+    except SystemExit as end:  # a stop of run_task (its line printed), --help (0), a bad flag (argparse's usage, 2)
+        return exit_code(end)
+    except CONFIG_ERRORS as error:  # a bad override or flag: "error: <Hydra's message>", exit 2
+        if hydra_traces or _raised_in(error, run_task):  # HYDRA_FULL_ERROR=1, or the recipe's own bug: traceback, 1
             raise
-
-    register_schema(schema)
-    _print_job_config_resolved()
-    reported_here = os.environ.get("HYDRA_FULL_ERROR") != "1"  # a user who set it wants Hydra's trace
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-
-    def compose_and_run() -> None:
-        try:
-            hydra_task()
-        except CONFIG_ERRORS as error:
-            if not reported_here or getattr(error, "raised_by_recipe", False):
-                raise
-            fail(config_error_line(error))
-
-    exit_after(compose_and_run)
+        return report_user_error(config_error_line(error))
+    return 0  # the run is done (under -m: every sweep job)

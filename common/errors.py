@@ -1,29 +1,36 @@
 """How a run ends other than by finishing: each kind of stop, its exception and its exit code.
 
-A user error is one line on stderr and a non-zero exit, never a traceback. An exception raised
-by every rank after the ranks agreed on it (``agreed=True``) is printed by rank 0 alone, so a
-multi-rank run says it once.
+- Every stop is one line (``common.entry.report_stop``), never a traceback, and its exit code.
+- ``agreed=True``: every rank raised it after the ranks agreed on it; rank 0 alone prints it.
 """
 
 EXIT_USER_ERROR = 2
 """Exit code for a :class:`UserError` or an invalid configuration."""
 
 EXIT_DIVERGED = 3
-"""Exit code after :class:`Diverged`: running the same command again would diverge again, so
-launchers do not requeue or restart it."""
+"""Exit code after :class:`Diverged`.
+
+- Launchers do not requeue or restart it: the same command would diverge again.
+"""
 
 EXIT_HUNG = 4
-"""Exit code after a collective waited longer than ``trainer.collective_timeout_s`` (a hang: see
-``common/heartbeat.py``). Not 75: a rank that hangs once (a deadlock in the code, a bad node) may
-hang again, so launchers do not requeue it by themselves."""
+"""Exit code after a collective waited longer than ``trainer.collective_timeout_s`` (``common/records/heartbeat.py``).
+
+- Not 75: a rank that hung once (a deadlock, a bad node) may hang again; launchers do not requeue it.
+"""
 
 EXIT_PREEMPTED = 75
-"""Exit code after SIGTERM/SIGUSR1: a checkpoint was written and the run can be resumed
-(75 is ``EX_TEMPFAIL`` from sysexits.h, "try again later")."""
+"""Exit code after SIGTERM/SIGUSR1, once the checkpoint they asked for is written.
+
+- Run the same command again to resume; 75 is ``EX_TEMPFAIL`` from sysexits.h, "try again later".
+"""
 
 
 class RunStopped(Exception):
-    """A stop with its own exit code and one line to print (on rank 0 alone when ``agreed``)."""
+    """A stop with its own exit code and one line to print.
+
+    - ``message``: the line; ``agreed``: every rank raises it, rank 0 alone prints it.
+    """
 
     exit_code = 1
 

@@ -1,10 +1,9 @@
 """JSON as RFC 8259 has it: every JSON file the project writes goes through here.
 
-Python's ``json`` writes ``NaN`` and ``Infinity``, which are not JSON: ``jq``, JavaScript and
-strict parsers reject the whole file. A metric can be NaN (a diverged loss), so values that are
-not finite are written as ``null``, and an object that had any lists their paths under
-``"non_finite"`` (``["metrics.eval/loss"]``), so that a reader can tell such a ``null`` from a
-value that was never there.
+- Never ``NaN`` or ``Infinity`` (Python's ``json`` writes them; ``jq``, JavaScript and strict
+  parsers reject the whole file): a value that is not finite, a diverged loss, is ``null``.
+- An object that had any lists their paths under ``"non_finite"`` (``["metrics.eval/loss"]``): a
+  reader tells such a ``null`` from a value that was never there.
 """
 
 from __future__ import annotations
@@ -19,8 +18,10 @@ NON_FINITE_KEY = "non_finite"
 
 
 def _finite_or_none(value: Any, path: str, replaced: list[str]) -> Any:
-    """``value`` with every float that is not finite (nested in dicts, lists, tuples) as None;
-    the dotted path of each one replaced is appended to ``replaced``."""
+    """``value`` with every float that is not finite (nested in dicts, lists, tuples) as None.
+
+    - Appends the dotted path of each one replaced to ``replaced``.
+    """
     if isinstance(value, float) and not math.isfinite(value):
         replaced.append(path)
         return None
@@ -42,9 +43,12 @@ def dumps(obj: Any, **options: Any) -> str:
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
-    """Write ``obj`` to ``path`` atomically (a temporary file renamed over it), indented. The
-    temporary file is this process's own, so processes writing the same file (the workers of a
-    search, its study.json) each replace it whole."""
+    """Write ``obj`` to ``path`` as indented JSON (:func:`dumps`, keys sorted); returns ``path``.
+
+    - Atomic: a temporary file of this process's own, renamed over ``path``; processes writing the
+      same file (the workers of a search, its study.json) each replace it whole.
+    - Creates the parent folders.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -1,11 +1,11 @@
 """Each recipe as the shared tools see it, declared in one place: ``recipes/<recipe>/spec.py``.
 
-``make eval``, ``make export`` and ``init_from=`` need a few things of a recipe and nothing else:
-its config schema, its model built as training builds it, its evaluation of a split, and the
-names its tensors have outside it. The recipe hands them over in one :class:`RecipeSpec` (as
-torchtitan's ``ModelSpec`` does); :func:`load_recipe` checks it and names, in one line, what a
-copied recipe lacks. The functions it points at live where the recipe's own code uses them: the
-model in ``model.py``, its placement and the evaluation beside the loop in ``train.py``.
+- ``SPEC = RecipeSpec(...)`` (as torchtitan's ``ModelSpec``): the config schema, the model as
+  training builds it, the evaluation of a split, the names its tensors have outside it.
+- Read by ``python -m recipes.<r>.train`` (schema, process group), ``make eval``, ``make export``
+  and ``init_from=``.
+- The functions it points at live where the recipe's own code uses them: the model in
+  ``model.py``, its placement and the evaluation beside the loop in ``train.py``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from common.pytorch.distributed import DistInfo
 
 
 class Evaluate(Protocol):
-    """A split's evaluation, its data ready: the metrics of ``model`` over the whole split, each
-    sample counted once across ranks; ``of_ema``: ``model`` holds an EMA of the weights, and the
-    metrics are named for it (``eval_ema/top1``)."""
+    """A split's evaluation, its data ready: the metrics of ``model`` over the whole split.
+
+    - Each sample counted once across ranks.
+    - ``of_ema``: ``model`` holds an EMA of the weights; the metrics are named for it (``eval_ema/top1``).
+    """
 
     def __call__(self, model: nn.Module, of_ema: bool = False) -> dict[str, float]: ...
 
@@ -35,20 +37,30 @@ def _no_process_group_options(cfg: Any) -> dict[str, Any]:
     return {}
 
 
+def same_names(model_cfg: Any) -> list[tuple[str, str]]:
+    """``export_names`` of a model whose export keeps its own tensor names: no prefix renamed."""
+    return [("", "")]
+
+
 @dataclass(frozen=True, kw_only=True)
 class RecipeSpec:
-    """What the shared tools call of a recipe (``cfg``: the recipe's schema, typed)."""
+    """What the entry point and the shared tools call of a recipe (``cfg``: the recipe's schema, typed)."""
 
     schema: type[RunConfig]  # config.py's dataclass: every key and default of the recipe
     model_as_trained: Callable[[Any, DistInfo, bool], nn.Module]
-    """``(cfg, dist_info, pretrained)``: the model as training holds it before DDP and compile (on
-    the device, FSDP-sharded where training shards it); ``pretrained=False`` leaves out the
-    pretrained weights a checkpoint replaces anyway."""
+    """``(cfg, dist_info, pretrained)``: the model as training holds it before DDP and compile.
+
+    - On the device, FSDP-sharded where training shards it.
+    - ``pretrained=False``: without the pretrained weights a checkpoint replaces anyway.
+    """
     splits: tuple[str, ...]  # the splits its data has; the first is the one training evaluates
     evaluator: Callable[[Any, DistInfo, str], Evaluate]  # ``(cfg, dist_info, split)``: data ready, model to come
-    export_names: Callable[[Any], list[tuple[str, str]]]
-    """``(model_cfg)``: ``(prefix in the model, prefix in an export)`` pairs, the export's names
-    being those of the library the model comes from (timm, torchvision, transformers)."""
+    export_names: Callable[[Any], list[tuple[str, str]]] = same_names
+    """``(model_cfg)``: ``(prefix in the model, prefix in an export)`` pairs.
+
+    - The export's names are those of the library the model comes from (timm, torchvision, transformers).
+    - Default :func:`same_names`: the model's own names, nothing renamed.
+    """
     head_names: Callable[[Any], list[str]]  # ``(model_cfg)``: the classifier's prefixes, in the model's names
     export_metadata: Callable[[Any], dict[str, Any]]  # ``(cfg)``: input, classes, how a library loads it
     model_from_export: Callable[[Any, dict[str, Any], Path], nn.Module]  # ``(model_cfg, metadata, folder)``
@@ -59,7 +71,11 @@ class RecipeSpec:
 
 
 def load_recipe(recipe: str) -> RecipeSpec:
-    """``recipes/<recipe>/spec.py``'s ``SPEC``, checked; a missing or incomplete one is one line."""
+    """``recipes/<recipe>/spec.py``'s ``SPEC``, checked.
+
+    - Raises :class:`UserError` in one line when the spec is missing, lacks a hook, or declares
+      another recipe's schema (what a copied recipe may lack).
+    """
     try:
         module = importlib.import_module(f"recipes.{recipe}.spec")
     except ModuleNotFoundError as error:

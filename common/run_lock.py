@@ -1,12 +1,13 @@
 """One run directory, one run: a lock file that a second launch on the same run respects.
 
-Rank 0 takes ``.run.lock`` in the run directory (and in ``checkpoint.dir``) before anything reads a
-checkpoint; a second launch names the holder in one line and exits 2, having touched nothing. A file
-created with ``O_EXCL`` and kept alive by touching it every :data:`HEARTBEAT_S` seconds, not
-``flock``, which is unreliable or node-local on NFS and Lustre. A holder that is gone is taken over
-(:func:`stale_reason` says when) under a short-lived ``.run.lock.break`` file, so two
-launches cannot both take it; a holder whose lock was taken over exits 2 at once. README "One run
-directory, one run".
+- Rank 0 takes ``.run.lock`` in the run directory (and in ``checkpoint.dir``) before anything reads
+  a checkpoint; a second launch names the holder in one line and exits 2, having touched nothing.
+- A file created with ``O_EXCL`` and touched every :data:`HEARTBEAT_S` seconds; not ``flock``, which
+  is unreliable or node-local on NFS and Lustre.
+- A holder that is gone is taken over (:func:`stale_reason` says when) under a short-lived
+  ``.run.lock.break`` file, so two launches cannot both take it; a holder whose lock was taken over
+  exits 2 at once.
+- docs/run-contract.md, "One run directory, one run".
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.checkpoint import ARTIFACT_PATH_VARIABLE
+from common.checkpoint.layout import ARTIFACT_PATH_VARIABLE
 from common.errors import EXIT_USER_ERROR
 
 LOCK_FILE = ".run.lock"
@@ -119,10 +120,14 @@ def _write_exclusive(path: Path, holder: Holder) -> bool:
 
 
 def stale_reason(holder: Holder, me: Holder, heartbeat_age: float) -> str | None:
-    """Why ``holder``'s lock may be taken over by ``me`` (None: it is held): the same SLURM job (a
-    requeue; an array task is ``<array job>_<task>``) or ISC experiment (its cycles never overlap);
-    on this host, a process that is gone; on another host, a heartbeat older than
-    :data:`STALE_AFTER_S` (the hosts' clocks must agree to within minutes, as NTP keeps them)."""
+    """Why ``holder``'s lock may be taken over by ``me``, in words; None while it is held.
+
+    - The same SLURM job (a requeue; an array task is ``<array job>_<task>``) or ISC experiment
+      (its cycles never overlap).
+    - On this host, since its last boot: the holder's process is gone (its pid gone, or reused by another process).
+    - On another host: ``heartbeat_age`` over :data:`STALE_AFTER_S` (the hosts' clocks must agree to
+      within minutes, as NTP keeps them).
+    """
     if me.slurm_job and holder.slurm_job == me.slurm_job:
         return f"it is this SLURM job's ({me.slurm_job}), from before it was requeued"
     if me.isc_artifacts and holder.isc_artifacts:
@@ -143,7 +148,10 @@ class RunLockHeld(Exception):
 
 
 class RunLock:
-    """The lock of one folder (see the module): :meth:`acquire`, then :meth:`release`."""
+    """The lock of one folder (see the module): :meth:`acquire`, then :meth:`release`.
+
+    - ``log``: where a takeover of a stale lock is reported (one line).
+    """
 
     def __init__(self, folder: str | Path, log: Callable[[str], None]) -> None:
         self.folder = Path(folder)
@@ -155,7 +163,11 @@ class RunLock:
         self._made_folder = False
 
     def acquire(self) -> None:
-        """Take the lock, or raise :class:`RunLockHeld` naming its holder."""
+        """Take the lock, taking over a stale one (:func:`stale_reason`), and start its heartbeat.
+
+        - Raises :class:`RunLockHeld` naming the holder when another launch holds it.
+        - Creates the folder if it is missing.
+        """
         self._made_folder = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
         for _ in range(10):  # each round either ends or saw the lock change hands
@@ -176,7 +188,8 @@ class RunLock:
                 raise RunLockHeld(
                     f"{self.folder} is in use by another launch of this run ({holder.describe()}; last heartbeat "
                     f"{age:.0f} s ago): wait for it to end, or give this run another name= or run_dir= "
-                    f"(if that launch is gone, delete {self.path}; see README 'One run directory, one run')")
+                    f"(if that launch is gone, delete {self.path}; see docs/run-contract.md, "
+                    "'One run directory, one run')")
             if self._take_over(holder):
                 self.log(f"took over the lock of {self.folder} from {holder.describe()}: {reason}")
                 return self._start_heartbeat()
@@ -218,8 +231,11 @@ class RunLock:
                 os.utime(self.path)
 
     def release(self) -> None:
-        """Stop the heartbeat and delete the lock file if it still names this process, and the
-        folder if the lock made it and a run that stopped at once left it empty."""
+        """Stop the heartbeat and delete the lock file, if it still names this process.
+
+        - Also removes the folder if :meth:`acquire` made it and it is still empty (a run that
+          stopped at once).
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -233,7 +249,10 @@ class RunLock:
 
 @contextlib.contextmanager
 def run_locks(folders: list[str | Path], log: Callable[[str], None]) -> Iterator[None]:
-    """Hold the locks of ``folders`` (the run directory, and ``checkpoint.dir`` when it is elsewhere)."""
+    """Hold the locks of ``folders``: the run directory, and ``checkpoint.dir`` when it is elsewhere.
+
+    - Raises :class:`RunLockHeld` for the first one held by another launch; those taken are released.
+    """
     held: list[RunLock] = []
     try:
         for folder in dict.fromkeys(os.path.abspath(folder) for folder in folders):

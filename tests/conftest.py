@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from cluster.processes import kill_tree
-from common.checkpoint import STATE_FILE, committed_checkpoints, latest_checkpoint
+from common.checkpoint.layout import STATE_FILE, committed_checkpoints, latest_checkpoint
 from common.entry import exit_process
 from common.pytorch import distributed
 from common.pytorch.distributed import free_port
 from tests import slurm_cluster as sc
+from tools.processes import kill_tree
 from tools.tiny_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ recorded: what the tests of config keys, gradient equivalences and augmentation 
 variants by merging more overrides the way Hydra merges them (typed, checked against the schema;
 milliseconds). :func:`probe` runs ``recipes.<r>.train.train(cfg, dist_info)`` as
 ``python -m recipes.<r>.train`` would, minus the subprocess and the run lock. Nothing of the loop
-is replaced; the probe watches it through :class:`~common.run.TrainingRun`, which every recipe
+is replaced; the probe watches it through :class:`~common.run.training_run.TrainingRun`, which every recipe
 builds from what a checkpoint holds (so the probe sees the model, optimizer, LR schedule, sampler
 and plan the recipe made), and through hooks on the model and the optimizer:
 
@@ -47,7 +47,7 @@ from common.data.loaders import PerSampleSeeded
 from common.entry import compose_config, typed_config
 from common.errors import UserError
 from common.pytorch.distributed import DistInfo
-from common.run import TrainingRun
+from common.run.training_run import TrainingRun
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")
 

@@ -41,11 +41,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.processes import descendants
-from common.checkpoint import STATE_FILE, latest_checkpoint
+from common.checkpoint.layout import STATE_FILE, latest_checkpoint
 from common.errors import EXIT_PREEMPTED
-from common.loggers import METRICS_FILE, read_metrics_file
+from common.records.loggers import METRICS_FILE, read_metrics_file
 from tests.conftest import REPO, assert_ok, kill_run, read_summary, recipe_env, run_recipe, start_recipe
+from tools.processes import descendants
 
 PAUSE_HOOK = Path(__file__).resolve().parent / "pause_hook"
 # Every step checkpointed, stop decisions taken every step, no wall-clock saves: where a run

@@ -5,7 +5,7 @@ This is a helper module, not a test module. The session fixtures ``slurm_env``
 the clusters with ``running_local_slurm``; tests take a fixture and call
 ``sc.sbatch(...)`` and ``sc.wait_for_job(...)``.
 
-The cluster comes from ``cluster/slurm/local_cluster.sh`` (Debian's
+The cluster comes from ``tools/slurm_local_cluster.sh`` (Debian's
 ``slurm-wlm`` and ``munge``, run as root). It has no accounting storage, so job
 states are read with ``scontrol show job`` (the script sets MinJobAge=3600, so
 finished jobs stay visible); ``sacct`` is used only if it works.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = REPO_ROOT / "cluster" / "slurm" / "local_cluster.sh"
+SCRIPT = REPO_ROOT / "tools" / "slurm_local_cluster.sh"
 
 # Job states after which a job never runs again by itself.
 FINAL_STATES = frozenset(
@@ -106,12 +106,12 @@ def require_slurm_or_skip() -> None:
 
 def multinode_available(nodes: int = 2) -> tuple[bool, str]:
     """Whether this machine permits a local cluster of ``nodes`` nodes (root, network and UTS
-    namespaces, veth pairs, a bridge: ``local_cluster.sh check``); the reason when it does not."""
+    namespaces, veth pairs, a bridge: ``slurm_local_cluster.sh check``); the reason when it does not."""
     proc = subprocess.run(["bash", str(SCRIPT), "check", "--nodes", str(nodes)], capture_output=True, text=True,
                           env=script_env(), stdin=subprocess.DEVNULL, timeout=60)
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()
-        return False, lines[-1] if lines else f"local_cluster.sh check failed (exit {proc.returncode})"
+        return False, lines[-1] if lines else f"slurm_local_cluster.sh check failed (exit {proc.returncode})"
     return True, ""
 
 
@@ -129,7 +129,7 @@ def require_multinode_or_skip(nodes: int = 2) -> None:
 
 
 def script_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment local_cluster.sh runs in: this one, the daemons' folders on PATH, plus ``extra``."""
+    """The environment slurm_local_cluster.sh runs in: this one, the daemons' folders on PATH, plus ``extra``."""
     env = dict(os.environ)
     env["PATH"] = _SEARCH_PATH
     # A SLURM_CONF from the caller must not leak into the script's own checks.
@@ -205,7 +205,7 @@ def running_local_slurm(state_dir: Path, nodes: int = 1,
 
 def on_node(state_dir: Path, node: str, command: Sequence[str], env: Mapping[str, str] | None = None,
             cwd: Path | str | None = None) -> subprocess.Popen:
-    """Start ``command`` on one node of a several-node cluster (``local_cluster.sh exec``): in that
+    """Start ``command`` on one node of a several-node cluster (``slurm_local_cluster.sh exec``): in that
     node's namespaces, so it has the node's hostname, address, /etc/hosts and TMPDIR."""
     return subprocess.Popen(["bash", str(SCRIPT), "exec", str(state_dir), node, *command], cwd=cwd,
                             env=slurm_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -19,8 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.export import export_run
-from common.trained import open_run
+from common.after_training.export import export_run
+from common.after_training.trained import open_run
 from tests.conftest import run_recipe
 from tests.trained_runs import TINY, cifar_data, dinov2_backbone, fashion_data
 

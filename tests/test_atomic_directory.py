@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint import KEEP_ALL, NAME, CheckpointManager, checkpoint_dirs, latest_checkpoint
+from common.checkpoint.layout import NAME, checkpoint_dirs, latest_checkpoint
+from common.checkpoint.manager import KEEP_ALL, CheckpointManager
 
 RULE_PATTERN = re.compile(r"_checkpoint_(\d+)(_force)?$")
 SYMLINK = f"{NAME}.latest_checkpoint"

@@ -14,15 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import (
-    KEEP_ALL,
+from common.checkpoint.layout import (
     CheckpointError,
-    CheckpointManager,
     checkpoint_dirs,
     committed_checkpoints,
     latest_checkpoint,
     latest_name,
 )
+from common.checkpoint.manager import KEEP_ALL, CheckpointManager
 from common.errors import UserError
 from tests.conftest import REPO
 
@@ -103,8 +102,8 @@ def test_the_artifact_path_keeps_everything(tmp_path: Path, monkeypatch: pytest.
     from common.entry import compose_config
     from common.pytorch.distributed import DistInfo
     from common.pytorch.metrics import SumMetrics
-    from common.run import TrainingRun
-    from common.steps import StepPlan
+    from common.run.steps import StepPlan
+    from common.run.training_run import TrainingRun
 
     monkeypatch.setenv("CHECKPOINT_ARTIFACT_PATH", str(tmp_path / "artifacts"))
     single = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")
@@ -113,8 +112,8 @@ def test_the_artifact_path_keeps_everything(tmp_path: Path, monkeypatch: pytest.
         cfg = compose_config("fashion_mnist", [f"run_dir={tmp_path}", f"checkpoint.dir={tmp_path / where}",
                                                "checkpoint.keep_last=1"])
         sampler = ResumableDistributedSampler(8)
-        run = TrainingRun.from_config(cfg, single, StepPlan(sampler, 1, 1, 1, 1), model=torch.nn.Linear(1, 1),
-                                      sampler=sampler, train_sums=SumMetrics(single.device))
+        run = TrainingRun(cfg, single, StepPlan(sampler, 1, 1, 1, 1), model=torch.nn.Linear(1, 1),
+                          sampler=sampler, train_sums=SumMetrics(single.device))
         run.cadence.close()
         keep_last[where] = run.checkpoints.keep_last
     assert keep_last == {"artifacts": KEEP_ALL, "local": 1}
@@ -196,8 +195,9 @@ def test_a_folder_of_the_older_layout_is_refused_not_restarted(tmp_path: Path) -
 # the test SIGKILLs the process there. keep_last=1, so that save also deletes step 2's directories.
 CRASHING_SAVER = textwrap.dedent("""
     import os, shutil, sys, threading, torch
-    import common.checkpoint as checkpoint_module
-    from common.checkpoint import CheckpointManager
+    import common.checkpoint.manager as manager_module
+    import common.checkpoint.writer as checkpoint_module
+    from common.checkpoint.manager import CheckpointManager
 
     folder, phase = sys.argv[1], sys.argv[2]
     saves = 0
@@ -232,7 +232,7 @@ CRASHING_SAVER = textwrap.dedent("""
             os.remove(os.path.join(path, "state.pt"))
             stop_here()
         return real_rmtree(path, *args, **kwargs)
-    checkpoint_module.shutil.rmtree = rmtree_one_file_then_stop
+    manager_module.shutil.rmtree = rmtree_one_file_then_stop
 
     manager = CheckpointManager(folder, keep_last=1)
     for step in range(1, 10):

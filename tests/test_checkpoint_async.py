@@ -14,16 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import common.checkpoint as checkpoint_module
-from common.checkpoint import CheckpointManager, CheckpointWriteError, HostSnapshot, checkpoint_dirs, latest_name
+import common.checkpoint.writer as checkpoint_module
+from common.checkpoint.layout import checkpoint_dirs, latest_name
+from common.checkpoint.manager import CheckpointManager
+from common.checkpoint.writer import CheckpointWriteError, HostSnapshot
 from tests.conftest import REPO
 
 KILLED_MID_WRITE = textwrap.dedent(
     """
     import os, sys, threading
     import torch
-    import common.checkpoint as checkpoint_module
-    from common.checkpoint import CheckpointManager
+    import common.checkpoint.writer as checkpoint_module
+    from common.checkpoint.manager import CheckpointManager
 
     manager = CheckpointManager(sys.argv[1], async_save=True, best_metric="eval/top1")
     state = {"weights": torch.arange(300_000, dtype=torch.float32), "step": 1}

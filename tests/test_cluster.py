@@ -26,7 +26,7 @@ from tools.tiny_data import write_fashion_mnist
 TINY = ["trainer.deterministic=true", "model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=32",
         "logging.backend=none", "logging.progress_bar=false"]
 SHELL_SCRIPTS = sorted(
-    path for folder in ("cluster", "benchmarks") for pattern in ("*.sh", "*.sbatch", "*.pbs")
+    path for folder in ("cluster", "benchmarks", "tools") for pattern in ("*.sh", "*.sbatch", "*.pbs")
     for path in (REPO / folder).rglob(pattern)
 )
 

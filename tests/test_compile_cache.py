@@ -11,9 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import compile_cache
-from common.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint, read_attachment
-from common.compile_cache import ARCHIVE_FILE, CACHE_DIR_VARIABLE, CompileCache, cache_key, key_fields, source_digest
+from common.checkpoint.layout import CheckpointError, read_attachment
+from common.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+from common.run import compile_cache
+from common.run.compile_cache import (
+    ARCHIVE_FILE,
+    CACHE_DIR_VARIABLE,
+    CompileCache,
+    cache_key,
+    key_fields,
+    source_digest,
+)
 from tests.conftest import REPO, assert_ok, recipe_env, run_recipe
 from tests.resume import PAUSE_HOOK
 
@@ -108,12 +116,12 @@ def test_a_damaged_archive_is_ignored_and_the_checkpoint_still_loads(cache_folde
 
 
 def test_the_code_key_follows_the_recipe_and_common_sources(tmp_path: Path) -> None:
-    for name in ("recipes/toy/model.py", "common/run.py", "recipes/other/model.py"):
+    for name in ("recipes/toy/model.py", "common/run/training_run.py", "recipes/other/model.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x = 1\n")
     before = source_digest("toy", tmp_path)
     (tmp_path / "recipes/other/model.py").write_text("x = 2\n")
     assert source_digest("toy", tmp_path) == before, "another recipe's code is not this one's"
-    (tmp_path / "common/run.py").write_text("x = 2\n")
+    (tmp_path / "common/run/training_run.py").write_text("x = 2\n")
     assert source_digest("toy", tmp_path) != before
     assert compile_cache.source_digest("fashion_mnist") == source_digest("fashion_mnist", REPO)

@@ -22,7 +22,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from common.checkpoint import LATEST, CheckpointManager, committed_checkpoints
+from common.checkpoint.layout import LATEST, committed_checkpoints
+from common.checkpoint.manager import CheckpointManager
 from tests.conftest import REPO, assert_ok, checkpoint_of_step, read_summary, recipe_env, run_recipe
 from tests.resume import CHAIN_SETTINGS, kill_signal_resume
 from tools.tiny_data import write_cifar100_tarball

@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.divergence import NONE
+from common.config import CheckpointConfig
 from common.errors import UserError
 from common.pytorch import distributed
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import accumulation_steps, scaled_lr
-from common.run import CheckpointCadence, StopSignals
+from common.run.cadence import CheckpointCadence, StopSignals
+from common.run.divergence import NONE
 from tests.conftest import free_port, spawn_ranks
 
 
@@ -123,7 +124,7 @@ def _worker(rank: int, results: Path, main_backend: str) -> None:
     # Only rank 1 receives the signal, during step 3; with checks every 2 steps both ranks
     # must decide to save and stop at step 4, neither earlier.
     flag = StopSignals()
-    cadence = CheckpointCadence(every_steps=0, every_seconds=0, sync_every_steps=2, stop_signals=flag)
+    cadence = CheckpointCadence(CheckpointConfig(every_steps=0, every_seconds=0, sync_every_steps=2), flag)
     assert (cadence.group is None) == (main_backend == "gloo")
     stopped_at = None
     for step in range(1, 9):

@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import STATE_FILE, CheckpointManager, best_checkpoint, committed_checkpoints, improves
+from common.checkpoint.layout import STATE_FILE, best_checkpoint, committed_checkpoints, improves
+from common.checkpoint.manager import CheckpointManager
 from common.errors import EXIT_DIVERGED
 from common.jsonfiles import NON_FINITE_KEY, dumps, write_json
-from common.loggers import METRICS_FILE
 from common.pytorch.metrics import SumMetrics
-from common.run import Progress
+from common.records.loggers import METRICS_FILE
+from common.run.training_run import Progress
 from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe
 from tests.recipe_probe import Configs, Probe, probe, tiny_settings
 from tests.resume import PAUSE_HOOK

@@ -1,4 +1,4 @@
-"""Early stopping (``trainer.early_stopping_patience``, ``common/run.py``): training ends after that
+"""Early stopping (``trainer.early_stopping_patience``, ``common/run/training_run.py``): training ends after that
 many evaluations in a row without a better ``checkpoint.best_metric``, the summary says so, and
 a run resumed in between keeps its count (it stops where the uninterrupted run stops)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.trained import open_run
+from common.after_training.trained import open_run
 from tests.trained_runs import fashion_data, train_here
 
 # lr 0: the weights never change, so eval/top1 never improves on the first evaluation's value.

@@ -1,4 +1,4 @@
-"""Evaluating a checkpoint after training (``make eval``, ``common/evaluate.py``): every
+"""Evaluating a checkpoint after training (``make eval``, ``common/after_training/evaluate.py``): every
 recipe reports for a checkpoint exactly what its own training reported for it, on the split asked
 for, also on another number of ranks (dinov2_fsdp's shards) and from the command line."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.evaluate import main as evaluate_main
+from common.after_training.evaluate import main as evaluate_main
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.trained_runs import (
     cifar_run,

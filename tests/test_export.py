@@ -1,4 +1,4 @@
-"""Exporting a checkpoint's weights (``make export``, ``common/export.py``): the model rebuilt from
+"""Exporting a checkpoint's weights (``make export``, ``common/after_training/export.py``): the model rebuilt from
 the export folder alone computes what the checkpoint's model computes; timm loads the timm-based
 exports with ``pretrained_cfg_overlay=dict(file=...)``, transformers loads the DINOv2 backbone
 with ``from_pretrained``; EMA weights are exported where a recipe keeps them, and say so."""
@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from common.export import export_run, load_export
-from common.trained import open_run
+from common.after_training.export import export_run, load_export
+from common.after_training.trained import open_run
 from recipes.fashion_mnist.model import build_model as fashion_model
 from recipes.fungitastic.model import build_model as fungi_model
 from recipes.timm_imagenet.model import build_model as timm_model

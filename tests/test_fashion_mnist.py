@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import latest_checkpoint
+from common.checkpoint.layout import latest_checkpoint
 from tests.conftest import assert_ok, read_summary, run_recipe
 from tests.resume import kill_signal_resume
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import committed_checkpoints
-from common.trained import read_state
+from common.after_training.trained import read_state
+from common.checkpoint.layout import committed_checkpoints
 from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe
 from tests.test_dinov2_fsdp import copy_checkpoints_up_to, sharded_tensors
 from tests.trained_runs import TINY, fungi_data, imagenet_data
@@ -113,8 +113,8 @@ def test_make_eval_reads_the_shards_and_gives_the_metrics_the_run_reported(
 
     run_dir = trained(recipe, True, 2, tmp_path_factory)
     launcher = [] if nproc == 1 else ["-m", "cluster.torchrun", "--standalone", "--nproc-per-node=2"]
-    result = subprocess.run([sys.executable, *launcher, "-m", "common.evaluate", str(run_dir), "device=cpu"], cwd=REPO,
-                            env=recipe_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, *launcher, "-m", "common.after_training.evaluate", str(run_dir),
+                             "device=cpu"], cwd=REPO, env=recipe_env(), capture_output=True, text=True, timeout=300)
     assert_ok(result)
     report = json.loads((run_dir / "eval-val-latest.json").read_text())
     assert report["world_size"] == nproc

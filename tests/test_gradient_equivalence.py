@@ -4,7 +4,7 @@ epoch's short last step weighs each of its samples as much as a full step does.
 
 Every loop scales each micro-batch's mean loss by ``len(micro-batch) / group.samples`` (the samples
 of the step on this rank) before its backward, so a step's gradient is the mean over its samples of
-the per-sample gradients, whatever the micro-batches (``common/steps.py``: with ``EpochTail.keep``
+the per-sample gradients, whatever the micro-batches (``common/run/steps.py``: with ``EpochTail.keep``
 the last step of an epoch may hold fewer micro-batches, and its last micro-batch fewer samples),
 and DDP / FSDP2 average that over the ranks. These tests run each recipe's real loop
 (``tests/recipe_probe.py``) over the same samples cut three ways and compare the gradients each

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from common import heartbeat
 from common.errors import EXIT_HUNG
+from common.records import heartbeat
 from tests.conftest import REPO, recipe_env, run_recipe
 from tests.resume import PAUSE_HOOK
 

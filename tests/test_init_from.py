@@ -1,4 +1,4 @@
-"""Starting a run from another run's weights (``init_from=``, ``common/init_from.py``): from a run
+"""Starting a run from another run's weights (``init_from=``, ``common/after_training/init_from.py``): from a run
 of another recipe with the same backbone (the head left out), from an export, a mismatch as one
 line naming the tensor, and a resumed run that never reads its ``init_from``."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from common.after_training.export import export_run
+from common.after_training.trained import checkpoint_weights, open_run
 from common.errors import UserError
-from common.export import export_run
-from common.trained import checkpoint_weights, open_run
 from recipes.cifar100_resnet50.model import build_model
 from tests.conftest import REPO, assert_ok, recipe_env, run_recipe
 from tests.trained_runs import TINY, cifar_run, dinov2_run, fashion_data, fungi_data, summary, timm_run, train_here

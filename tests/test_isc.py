@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.isc.rehearse import COMPUTE_MODES, load_experiment, sync_checkpoints
-from common.checkpoint import KEEP_ALL, CheckpointManager, checkpoint_dirs, committed_checkpoints
+from common.checkpoint.layout import checkpoint_dirs, committed_checkpoints
+from common.checkpoint.manager import KEEP_ALL, CheckpointManager
 from common.errors import UserError
 from tests.conftest import assert_ok, kill_run, latest_step, read_summary, recipe_env, run_recipe, start_recipe
 from tests.resume import paused_env, wait_for_pause
+from tools.isc_rehearse import COMPUTE_MODES, load_experiment, sync_checkpoints
 from tools.tiny_data import write_fashion_mnist
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 def _requeue_and_exit(signum, frame):
-    from common.checkpoint import latest_checkpoint
+    from common.checkpoint.layout import latest_checkpoint
 
     latest = latest_checkpoint(os.environ["TEST_CHECKPOINT_DIR"])
     Path(os.environ["TEST_MARKER"]).write_text(str(-1 if latest is None else latest.step))

@@ -16,8 +16,8 @@ from torch.utils.data import Dataset
 
 from common.data.loaders import make_loader
 from common.data.sampler import ResumableDistributedSampler
-from common.run import TrainingRun
-from common.steps import EpochBatches, EpochTail, StepPlan
+from common.run.steps import EpochBatches, EpochTail, StepPlan
+from common.run.training_run import TrainingRun
 from tests.recipe_probe import Configs, probe, tiny_settings
 
 SAMPLES = 32

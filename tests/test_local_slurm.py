@@ -1,4 +1,4 @@
-"""The local SLURM cluster (cluster/slurm/local_cluster.sh) runs, signals and requeues real jobs.
+"""The local SLURM cluster (tools/slurm_local_cluster.sh) runs, signals and requeues real jobs.
 
 These tests start a real slurmctld + slurmd on 127.0.0.1 (Debian's slurm-wlm,
 as root). Without SLURM they are skipped; with REQUIRE_SLURM=1 they fail.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.loggers import RunLogger
+from common.records.loggers import RunLogger
 
 
 def test_tensorboard_writes_events(tmp_path: Path) -> None:

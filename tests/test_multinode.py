@@ -1,6 +1,6 @@
 """Several SLURM nodes on this machine, for real: multinode.sbatch and launch.sh across nodes.
 
-The session fixture ``multinode_slurm`` starts ``cluster/slurm/local_cluster.sh start --nodes 2``:
+The session fixture ``multinode_slurm`` starts ``tools/slurm_local_cluster.sh start --nodes 2``:
 one slurmctld and two slurmd, each in its own network namespace (its own address on a bridge),
 UTS namespace (hostname node0 or node1) and mount namespace (its own /etc/hosts and scratch
 folder, its TMPDIR). The jobs submit the real ``cluster/slurm/multinode.sbatch``: srun starts
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.processes import kill_tree
 from tests import slurm_cluster as sc
 from tests.conftest import REPO, free_port, latest_step, read_summary, recipe_env, sampler_positions, start_recipe
 from tests.resume import paused_env
+from tools.processes import kill_tree
 from tools.tiny_data import write_fashion_mnist, write_image_folder
 
 pytestmark = pytest.mark.slurm
@@ -146,7 +146,7 @@ def test_nodes_look_like_separate_hosts(multinode_slurm: sc.LocalCluster, tmp_pa
 
 
 def _tag(state_dir: Path) -> str:
-    """The tag local_cluster.sh puts in the names of a cluster's namespaces and links."""
+    """The tag slurm_local_cluster.sh puts in the names of a cluster's namespaces and links."""
     return hashlib.md5(str(state_dir.resolve()).encode()).hexdigest()[:8]
 
 
@@ -203,7 +203,7 @@ def test_without_namespace_capabilities_start_stops_first_with_one_line(tmp_path
                             capture_output=True, text=True, env=sc.script_env(), timeout=60)
     assert result.returncode == 1
     assert len(result.stderr.splitlines()) == 1, result.stderr
-    assert result.stderr.startswith("local_cluster.sh: error: cannot create network namespaces"), result.stderr
+    assert result.stderr.startswith(f"{sc.SCRIPT.name}: error: cannot create network namespaces"), result.stderr
     assert "CAP_SYS_ADMIN and CAP_NET_ADMIN" in result.stderr
     assert list((tmp_path / "c").iterdir()) == []  # checked before anything was made
 

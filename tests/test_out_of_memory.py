@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.checkpoint import LATEST, committed_checkpoints
+from common.checkpoint.layout import LATEST, committed_checkpoints
 from common.pytorch.distributed import DistInfo
 from tests.conftest import spawn_ranks
 from tests.recipe_probe import Configs, Probe, probe, tiny_settings
@@ -139,7 +139,8 @@ def test_the_size_is_kept_on_the_same_device_and_tried_again_on_another(
 
     elsewhere = configs()
     probe("fashion_mnist", elsewhere, steps=3, error_at=2)
-    monkeypatch.setattr("common.run.device_description", lambda device, world_size: "a bigger GPU x 1 rank")
+    monkeypatch.setattr("common.run.out_of_memory.device_description",
+                        lambda device, world_size: "a bigger GPU x 1 rank")
     bigger = probe("fashion_mnist", elsewhere, steps=None)
     assert bigger.run.micro_batch == 16 and bigger.summary["micro_batch_size"] == 16
 
@@ -204,8 +205,8 @@ def test_an_out_of_memory_error_after_the_backward_passes_is_not_retried(
     """Past the step's forward and backward passes (gradient clipping, the optimizer step) the
     weights may already move: the error goes on to end the run (in one line, common/entry.py), as
     without trainer.out_of_memory, and says why halving did not apply."""
-    from common.profiling import out_of_memory_error
-    from common.run import TrainingRun
+    from common.records.profiling import out_of_memory_error
+    from common.run.training_run import TrainingRun
     from tests.recipe_probe import CPU
 
     clip, clipped = TrainingRun.clip_grad_norm, []

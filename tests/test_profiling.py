@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import profiling
 from common.config import ProfileConfig
 from common.errors import UserError
-from common.profiling import StepProfiler, out_of_memory_error, smaller_batch
 from common.pytorch.distributed import DistInfo
+from common.records import profiling
+from common.records.profiling import StepProfiler, out_of_memory_error, smaller_batch
 
 CPU = DistInfo(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), launcher="test")
 OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of 79 GiB")

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from common.provenance import append_record, bit_identity_differences, git_state, installed_packages, read_records
+from common.records.provenance import (
+    append_record,
+    bit_identity_differences,
+    git_state,
+    installed_packages,
+    read_records,
+)
 from tests.conftest import REPO, assert_ok, recipe_env
 
 

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from common.checkpoint import MANIFEST_FILE, committed_checkpoints, latest_checkpoint
-from common.loggers import read_metrics_file
-from common.provenance import read_records
+from common.checkpoint.layout import MANIFEST_FILE, committed_checkpoints, latest_checkpoint
+from common.records.loggers import read_metrics_file
+from common.records.provenance import read_records
 from tests.conftest import REPO, assert_ok, recipe_env, run_recipe
 from tests.resume import PAUSE_HOOK
 

@@ -14,16 +14,18 @@ import numpy as np
 import pytest
 import torch
 
-from common.checkpoint import CheckpointManager, committed_checkpoints
+from common.checkpoint.layout import committed_checkpoints
+from common.checkpoint.manager import CheckpointManager
 from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
-from common.loggers import ProgressLines, RunLogger, wandb_run_id
 from common.pytorch.distributed import DistInfo
 from common.pytorch.metrics import SumMetrics
 from common.pytorch.rng import rng_state, seed_everything, set_rng_state
-from common.run import CheckpointCadence, StopSignals, TrainingRun
-from common.steps import EpochTail, StepPlan, compile_static
+from common.records.loggers import ProgressLines, RunLogger, wandb_run_id
+from common.run.steps import EpochTail, StepPlan, compile_static
+from common.run.training_run import TrainingRun
 from tests.conftest import run_recipe, spawn_ranks
+from tests.run_config import run_config
 
 
 class OnAccelerator(torch.Tensor):
@@ -69,10 +71,7 @@ def small_run(directory: Path, sums: SumMetrics, rank: int = 0, world_size: int 
     sampler = ResumableDistributedSampler(8, rank, world_size)
     plan = StepPlan(sampler, micro_batch=1, accumulate=1, world_size=world_size, epochs=1)
     info = DistInfo(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), launcher="test")
-    logs = directory.parent / "logs"
-    return TrainingRun(info, plan, CheckpointManager(directory), CheckpointCadence(0, 0, 1, StopSignals()),
-                       lambda step: RunLogger("none", logs, rank == 0, "test", resume_step=step), recipe="test",
-                       run_dir=directory.parent, resume_from_checkpoint=True, eval_every_epochs=1, model=model,
+    return TrainingRun(run_config(directory.parent, directory), info, plan, model=model,
                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler, train_sums=sums)
 
 
@@ -124,10 +123,7 @@ def test_a_resume_brings_back_every_part_of_the_training_state(tmp_path: Path) -
         sampler = ResumableDistributedSampler(40, seed=1)
         plan = StepPlan(sampler, micro_batch=5, accumulate=1, world_size=1, epochs=3)
         info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="test")
-        return TrainingRun(info, plan, CheckpointManager(tmp_path / "checkpoints"),
-                           CheckpointCadence(0, 0, 1, StopSignals()),
-                           lambda step: RunLogger("none", tmp_path / "logs", True, "test", resume_step=step),
-                           recipe="test", run_dir=tmp_path, resume_from_checkpoint=True, eval_every_epochs=1,
+        return TrainingRun(run_config(tmp_path), info, plan,
                            model=model, optimizer=optimizer, scheduler=warmup_cosine(optimizer, 2, 10, 0.0),
                            scaler=torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2),
                            sampler=sampler, train_sums=SumMetrics(torch.device("cpu")))

@@ -17,8 +17,8 @@ import pytest
 
 from common import run_lock
 from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR
-from common.heartbeat import HEARTBEAT_DIR
-from common.loggers import METRICS_FILE
+from common.records.heartbeat import HEARTBEAT_DIR
+from common.records.loggers import METRICS_FILE
 from common.run_lock import LOCK_FILE, Holder, RunLock, RunLockHeld, stale_reason
 from tests.conftest import REPO, assert_ok, kill_run, read_summary, recipe_env, run_recipe, start_recipe
 from tests.resume import paused_env, wait_for_pause

@@ -2,10 +2,10 @@
 that rise, fall, plateau and are NaN: early stopping's patience (which restarts after every
 improvement), the best checkpoint (``_force`` for every new best, not only the first value; the
 one ``summary.json`` names), retention (the ``keep_last`` newest steps and the best), and the
-evaluation cadence. One rule decides "better" for all of them (``common.checkpoint.improves``):
+evaluation cadence. One rule decides "better" for all of them (``common.checkpoint.layout.improves``):
 strictly better in the metric's direction, and never NaN.
 
-Each test trains a tiny run of one step per epoch through :class:`~common.run.TrainingRun` as a
+Each test trains a tiny run of one step per epoch through :class:`~common.run.training_run.TrainingRun` as a
 recipe's loop does (``steps``, ``step_done``, ``end_epoch``, ``finish``), evaluating to the next
 made-up value each time the contract asks for an evaluation.
 """
@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import CheckpointManager, committed_checkpoints
+from common.checkpoint.layout import committed_checkpoints
 from common.data.sampler import ResumableDistributedSampler
-from common.loggers import RunLogger
 from common.pytorch.distributed import DistInfo
 from common.pytorch.metrics import SumMetrics
-from common.run import CheckpointCadence, StopSignals, TrainingRun
-from common.steps import StepPlan
+from common.run.steps import StepPlan
+from common.run.training_run import TrainingRun
+from tests.run_config import run_config
 
 NAN = math.nan
 METRIC = "eval/top1"
@@ -65,12 +65,10 @@ def train(folder: Path, values: list[float], *, patience: int = 0, mode: str = "
     sampler = ResumableDistributedSampler(2, seed=0)
     plan = StepPlan(sampler, micro_batch=2, accumulate=1, world_size=1, epochs=epochs or len(values))
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="test")
-    checkpoints = CheckpointManager(folder / "checkpoints", keep_last=keep_last, best_metric=METRIC, best_mode=mode)
-    run = TrainingRun(info, plan, checkpoints, CheckpointCadence(0, 0, 1, StopSignals()),
-                      lambda step: RunLogger("none", folder / "logs", True, "test", resume_step=step),
-                      recipe="test", run_dir=folder, resume_from_checkpoint=True, eval_every_epochs=eval_every,
-                      model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), sampler=sampler,
-                      train_sums=SumMetrics(torch.device("cpu")), early_stopping_patience=patience)
+    cfg = run_config(folder, trainer={"eval_every_epochs": eval_every, "early_stopping_patience": patience},
+                     checkpoint={"keep_last": keep_last, "best_metric": METRIC, "best_mode": mode})
+    run = TrainingRun(cfg, info, plan, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                      sampler=sampler, train_sums=SumMetrics(torch.device("cpu")))
     remaining, evaluated_after = iter(values), []
 
     def evaluate() -> dict[str, float]:

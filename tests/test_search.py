@@ -1,4 +1,4 @@
-"""Hyperparameter search (tools/search, common/search_trial.py): trials are ordinary runs that
+"""Hyperparameter search (tools/search, common/run/search_trial.py): trials are ordinary runs that
 resume, workers share a study with no batch barrier, pruning through the run contract, failures
 recorded, results that agree with the trials' own summaries (the SLURM array:
 tests/test_search_slurm.py).
@@ -177,7 +177,7 @@ def test_pruners_by_name_and_a_bad_option_is_one_line() -> None:
     import optuna
 
     from common.errors import UserError
-    from common.search_trial import make_pruner
+    from common.run.search_trial import make_pruner
 
     assert isinstance(make_pruner({"name": "median", "n_startup_trials": 1}), optuna.pruners.MedianPruner)
     assert isinstance(make_pruner({"name": "halving"}), optuna.pruners.SuccessiveHalvingPruner)
@@ -466,7 +466,7 @@ def test_a_journal_cut_in_the_middle_of_an_entry_is_repaired_before_anything_app
     cannot read, and then no worker can read the study. A worker cuts it first."""
     import optuna
 
-    from common.search_trial import open_storage
+    from common.run.search_trial import open_storage
 
     overrides = fashion_overrides(tmp_path_factory)
     _, study = enqueued_study(tmp_path, FASHION_SPACE, overrides, [{"optim.lr": 0.002, "optim.name": "sgd"}])
@@ -510,14 +510,14 @@ def test_a_search_on_the_isc_goes_on_across_cycles_from_what_the_isc_ships(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The command of cluster/isc/search/fashion_mnist.isc, locally. Cycle 1 ends with a SIGKILL of
     everything in the middle of trial 0; the ISC's sync ships what it ships (the model of
-    cluster/isc/rehearse.py: each saver's latest checkpoint and the _force directories); cycle 2
+    tools/isc_rehearse.py: each saver's latest checkpoint and the _force directories); cycle 2
     starts at other paths, from the restored checkpoint artifact and an empty Lossy folder, and
     the search finishes: trial 0 resumed from the shipped checkpoint to the uninterrupted run's
     digest, then trial 1, nothing counted twice."""
     import shutil
     import tomllib
 
-    from cluster.isc.rehearse import restore, sync_checkpoints
+    from tools.isc_rehearse import restore, sync_checkpoints
 
     fields = tomllib.loads(SEARCH_ISC.read_text())
     assert {"isc_project_id", "experiment_name", "gpus", "compute_mode", "dataset_id_list", "command"} == set(fields)

@@ -1,4 +1,4 @@
-"""The telemetry of training logs (common/telemetry.py) through the run contract's real loop on a tiny
+"""The telemetry of training logs (common/records/telemetry.py) through the run contract's real loop on a tiny
 model: the peak table, the FLOP count, the gradient norm with and without clipping, the time spent
 waiting for data, and that a step that does not log makes no collective call."""
 
@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from common.checkpoint import CheckpointManager
 from common.data.sampler import ResumableDistributedSampler
-from common.loggers import RunLogger, read_metrics_file
 from common.pytorch.distributed import DistInfo
 from common.pytorch.metrics import SumMetrics, ratio
-from common.run import CheckpointCadence, StopSignals, TrainingRun
-from common.steps import StepPlan
-from common.telemetry import FlopCount, StepTelemetry, device_peak_flops, peak_tflops
+from common.records.loggers import read_metrics_file
+from common.records.telemetry import FlopCount, StepTelemetry, device_peak_flops, peak_tflops
+from common.run.steps import StepPlan
+from common.run.training_run import TrainingRun
 from tests.conftest import spawn_ranks
+from tests.run_config import run_config
 
 SAMPLES, MICRO_BATCH, FEATURES = 48, 4, 8
 
@@ -97,12 +97,9 @@ def train_tiny(folder: Path, delay: float = 0.0, grad_clip_norm: float = 0.0, lo
     info = DistInfo(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), launcher="test")
     sums = SumMetrics(torch.device("cpu"))
     logs = folder / "logs"
-    run = TrainingRun(info, plan, CheckpointManager(folder / "checkpoints"),
-                      CheckpointCadence(0, 0, 1000, StopSignals()),
-                      lambda step: RunLogger("none", logs, rank == 0, "test", resume_step=step, progress_bar=False),
-                      recipe="test", run_dir=folder, resume_from_checkpoint=False, eval_every_epochs=1, model=model,
-                      optimizer=optimizer, sampler=sampler, train_sums=sums, log_every_steps=log_every,
-                      grad_clip_norm=grad_clip_norm)
+    cfg = run_config(folder, trainer={"log_every_steps": log_every, "grad_clip_norm": grad_clip_norm},
+                     checkpoint={"sync_every_steps": 1000, "resume": False}, logging={"progress_bar": False})
+    run = TrainingRun(cfg, info, plan, model=model, optimizer=optimizer, sampler=sampler, train_sums=sums)
     run.resume()
     loader = DataLoader(Points(delay), batch_size=MICRO_BATCH, sampler=sampler)
     norms = []
@@ -227,7 +224,7 @@ def test_no_device_memory_is_reported_on_a_cpu(precision: str) -> None:
 def _sharded_norm_worker(rank: int, folder: Path) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from common.telemetry import as_float, clip_grad_norm
+    from common.records.telemetry import as_float, clip_grad_norm
 
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(FEATURES, 6), torch.nn.Linear(6, 2))

@@ -25,7 +25,7 @@ from common.data.loaders import PerSampleSeeded, make_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
 from common.pytorch.distributed import DistInfo
-from common.summary import state_digest
+from common.records.summary import state_digest
 from recipes.tv_segmentation import coco
 from recipes.tv_segmentation.config import DataConfig, ModelConfig, TvSegmentationConfig
 from recipes.tv_segmentation.data import SegmentationDataset, eval_transform, find_pairs, pad_collate, train_transform

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
+from common.after_training.evaluate import eval_file_name
+from common.after_training.evaluate import main as evaluate_main
 from common.entry import compose_config, training_process, typed_config
-from common.evaluate import eval_file_name
-from common.evaluate import main as evaluate_main
 from common.recipes import load_recipe
 from tests import recipe_tables
 from tools.tiny_data import (
@@ -63,7 +63,7 @@ def summary(run_dir: Path) -> dict[str, Any]:
 
 
 def evaluate_here(recipe: str, run: Path, *args: str, which: str = "latest", split: str | None = None) -> dict:
-    """``python -m common.evaluate RUN --which W [--split S] [args]`` in this process; the report."""
+    """``python -m common.after_training.evaluate RUN --which W [--split S] [args]`` in this process; the report."""
     split = split or load_recipe(recipe).splits[0]
     evaluate_main(argv=[str(run), "--which", which, "--split", split, *args])
     return json.loads((run / eval_file_name(split, which)).read_text())

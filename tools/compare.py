@@ -33,8 +33,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from common.errors import EXIT_USER_ERROR, UserError
-from common.loggers import METRICS_FILE, read_metrics_file
-from common.provenance import read_records
+from common.records.loggers import METRICS_FILE, read_metrics_file
+from common.records.provenance import read_records
 
 DEFAULT_RUNS = "runs/*/*"
 DEFAULT_OUT = "runs/compare"

@@ -46,7 +46,7 @@ CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
 MUTATIONS: list[Mutation] = [
     # ---- found by the audit (issue 15) ----------------------------------------------------------
     Mutation(
-        "extended-run-stays-finished", "common/run.py",
+        "extended-run-stays-finished", "common/run/training_run.py",
         "self.progress.finished = False  # a finished run restarted with more epochs or steps goes on", "pass",
         ("tests/test_fashion_mnist.py::test_a_finished_run_extended_on_another_number_of_ranks_continues",),
         "a finished run restarted with more epochs reports its old metrics and writes no final checkpoint",
@@ -66,21 +66,21 @@ MUTATIONS: list[Mutation] = [
         "a run resumed mid-epoch draws other augmentations than the uninterrupted run",
     ),
     Mutation(
-        "symlink-moved-before-the-rename", "common/checkpoint.py",
-        "        os.rename(tmp, final)\n        _fsync_dir(self.directory)\n        self._point_latest_at(final)\n",
-        "        self._point_latest_at(final)\n        os.rename(tmp, final)\n        _fsync_dir(self.directory)\n",
+        "symlink-moved-before-the-rename", "common/checkpoint/writer.py",
+        "    os.rename(tmp, final)\n    fsync_dir(directory)\n    point_latest_at(directory, final)\n",
+        "    point_latest_at(directory, final)\n    os.rename(tmp, final)\n    fsync_dir(directory)\n",
         (f"{CHECKPOINT_KILLED}[committed-True]",),
         "a crash between the two leaves the latest_checkpoint symlink naming a directory that is not there",
     ),
     Mutation(
-        "delete-in-place", "common/checkpoint.py",
+        "delete-in-place", "common/checkpoint/manager.py",
         "        os.rename(path, doomed)\n        shutil.rmtree(doomed, ignore_errors=True)",
         "        shutil.rmtree(path, ignore_errors=True)",
         (f"{CHECKPOINT_KILLED}[deleting-True]",),
         "a crash while pruning leaves a checkpoint directory with files missing, some never cleaned up",
     ),
     Mutation(  # since issue 17 the stop branch of every recipe is this one, in the run contract
-        "stop-branch-deleted", "common/run.py",
+        "stop-branch-deleted", "common/run/training_run.py",
         "                if decision.stop:", "                if False:",
         (f"tests/test_fungitastic.py::{CHAIN}", f"tests/test_dinov2_fsdp.py::{CHAIN}"),
         "SIGTERM/SIGUSR1 are ignored: the run is killed at the end of the grace period and loses its work",
@@ -124,47 +124,47 @@ MUTATIONS: list[Mutation] = [
         "drop path and dropout draw other masks after a resume: the run differs from an uninterrupted one",
     ),
     Mutation(
-        "every-rank-gets-rank-0s-rng", "common/run.py",
+        "every-rank-gets-rank-0s-rng", "common/run/state.py",
         "    set_rng_state(rngs[rank] if same_world else rngs[0])", "    set_rng_state(rngs[0])",
         ("tests/test_run.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
         "after a multi-rank resume every rank continues rank 0's random streams instead of its own",
     ),
     Mutation(
-        "grad-scaler-not-restored", "common/run.py",
-        '            self.scaler.load_state_dict(state["scaler"])', "            pass",
+        "grad-scaler-not-restored", "common/run/state.py",
+        '        run.scaler.load_state_dict(state["scaler"])', "        pass",
         ("tests/test_run.py::test_a_resume_brings_back_every_part_of_the_training_state",),
         "an fp16 run resumes with the initial loss scale: skipped steps or overflow after every resume",
     ),
     Mutation(
-        "metric-sums-restored-from-rank-0", "common/run.py",
-        "            self.train_sums.load_state_dict(saved_sums[rank])",
-        "            self.train_sums.load_state_dict(saved_sums[0])",
+        "metric-sums-restored-from-rank-0", "common/run/state.py",
+        "        run.train_sums.load_state_dict(saved_sums[rank])",
+        "        run.train_sums.load_state_dict(saved_sums[0])",
         ("tests/test_run.py::test_partial_metric_sums_and_random_streams_of_every_rank_survive_a_resume",),
         "training metrics logged after a multi-rank resume count rank 0's partial sums twice",
     ),
     Mutation(
-        "manifest-digests-not-checked", "common/checkpoint.py",
-        'if digests and _file_digest(file) != expected["sha256"]:', "if False:",
+        "manifest-digests-not-checked", "common/checkpoint/layout.py",
+        'if digests and file_digest(file) != expected["sha256"]:', "if False:",
         ("tests/test_checkpoint.py::test_a_damaged_latest_falls_back_to_the_previous_one[flip]",
          "tests/test_dinov2_fsdp.py::test_damaged_sharded_checkpoints_fall_back_to_the_newest_intact_one"),
         "a corrupted checkpoint is loaded instead of falling back to the previous one",
     ),
     Mutation(
-        "prune-deletes-the-latest", "common/checkpoint.py",
+        "prune-deletes-the-latest", "common/checkpoint/manager.py",
         "keep = {found_dir.path for found_dir in newest_first[: self.keep_last]}",
         "keep = {found_dir.path for found_dir in newest_first[1 : self.keep_last]}",
         ("tests/test_checkpoint.py::test_keep_last_n_steps_and_the_best_by_metric_which_is_force",),
         "the checkpoint just committed is deleted: the symlink names a deleted directory",
     ),
     Mutation(
-        "uncommitted-directories-kept", "common/checkpoint.py",
+        "uncommitted-directories-kept", "common/checkpoint/manager.py",
         "            if target is not None and found_dir.index > target.index and not found_dir.force:",
         "            if False:",
         ("tests/test_checkpoint.py::test_half_written_and_uncommitted_saves_are_ignored_and_removed",),
         "a save that never reached the symlink stays and is later taken for a committed checkpoint",
     ),
     Mutation(
-        "dangling-symlink-taken-for-none", "common/checkpoint.py",
+        "dangling-symlink-taken-for-none", "common/checkpoint/layout.py",
         "        return Path(os.readlink(Path(directory) / LATEST)).name",
         "        target = Path(os.readlink(Path(directory) / LATEST))\n"
         "        return target.name if target.exists() else None",
@@ -172,7 +172,7 @@ MUTATIONS: list[Mutation] = [
         "checkpoints restored or downloaded to another path (every ISC cycle) resume from the wrong one",
     ),
     Mutation(
-        "background-save-does-not-wait-for-the-previous", "common/checkpoint.py",
+        "background-save-does-not-wait-for-the-previous", "common/checkpoint/manager.py",
         '        """\n        self.wait()\n        metrics = dict(metrics or {})',
         '        """\n        metrics = dict(metrics or {})',
         ("tests/test_checkpoint_async.py::test_one_save_in_flight_the_next_waits_for_it",),
@@ -207,7 +207,7 @@ MUTATIONS: list[Mutation] = [
         "top-1 on 2 ranks leaves out the last val image of an odd count",
     ),
     Mutation(
-        "evaluation-with-each-ranks-batchnorm", "common/evaluate.py",
+        "evaluation-with-each-ranks-batchnorm", "common/after_training/evaluate.py",
         "    broadcast_buffers(model)\n", "",
         (f"tests/test_cifar100_resnet50.py::{CHAIN}",),
         "2-rank EMA metrics after a resume differ from an uninterrupted run's",
@@ -220,13 +220,13 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "user-error-traceback", "common/entry.py",
-        "        except RunStopped as stop:\n            stop_run(stop)",
-        "        except RunStopped:\n            raise",
+        "            raise SystemExit(report_stop(stop))",
+        "            raise",
         ("tests/test_fashion_mnist.py::test_user_errors_are_one_line_and_exit_2",),
         "a missing data folder ends with a traceback instead of one line",
     ),
     Mutation(
-        "tensorboard-logs-nothing", "common/loggers.py",
+        "tensorboard-logs-nothing", "common/records/loggers.py",
         "                self._writer.add_scalar(name, value, step)", "                pass",
         ("tests/test_loggers.py::test_tensorboard_writes_events",),
         "TensorBoard shows empty runs (the event file exists: SummaryWriter creates it at once)",
@@ -247,7 +247,7 @@ MUTATIONS: list[Mutation] = [
         "on torch 2.11 a stop checkpoint that takes over 30 s is killed mid-save, and the job exits 1, not 75",
     ),
     Mutation(
-        "compiled-batch-dimension-made-dynamic", "common/steps.py",
+        "compiled-batch-dimension-made-dynamic", "common/run/steps.py",
         "    return torch.compile(model, dynamic=False)", "    return torch.compile(model)",
         ("tests/test_run.py::test_compiled_full_batches_keep_their_static_graph_after_the_epochs_short_batch",),
         "after an epoch's short last batch, every compiled step runs a slower dynamic-shape graph",
@@ -280,8 +280,8 @@ MUTATIONS: list[Mutation] = [
     ),
     # ---- what a run records (issue 26) -----------------------------------------------------------
     Mutation(
-        "grad-norm-on-every-step", "common/run.py",
-        "        if not self.grad_clip_norm and (self.progress.step + 1) % self.log_every_steps:\n"
+        "grad-norm-on-every-step", "common/run/training_run.py",
+        "        if not self.trainer.grad_clip_norm and (self.progress.step + 1) % self.trainer.log_every_steps:\n"
         "            return None\n",
         "",
         ("tests/test_telemetry.py::test_grad_norm_is_logged_without_clipping_and_is_the_clipped_runs_norm_before_"
@@ -289,26 +289,26 @@ MUTATIONS: list[Mutation] = [
         "every step pays for a gradient norm only the logging steps use (on FSDP2, an all-reduce more per step)",
     ),
     Mutation(
-        "data-wait-not-timed", "common/telemetry.py",
+        "data-wait-not-timed", "common/records/telemetry.py",
         "            self._data_wait += time.perf_counter() - start\n", "",
         ("tests/test_telemetry.py::test_data_wait_frac_rises_when_the_loader_is_slow",),
         "train/data_wait_frac says 0 while the GPU starves for data",
     ),
     Mutation(
-        "checkpoints-without-provenance", "common/checkpoint.py",
+        "checkpoints-without-provenance", "common/checkpoint/manager.py",
         "            manifest[\"provenance\"] = provenance\n", "            pass\n",
         ("tests/test_records.py::test_every_checkpoint_holds_the_record_of_the_segment_that_saved_it",),
         "a checkpoint folder shipped on its own no longer says which code and machine wrote it",
     ),
     # ---- issue 26: hangs that say where, compiled code that survives restarts ------------------------
     Mutation(
-        "collective-timeout-is-a-traceback", "common/heartbeat.py",
+        "collective-timeout-is-a-traceback", "common/records/heartbeat.py",
         "            beat.hung(WAITED, error)", "            pass",
         ("tests/test_hangs.py::test_a_rank_stalled_in_a_step_is_named_with_its_host_phase_and_stacks",),
         "a hung run ends in a traceback (exit 1) that names neither the stalled rank nor its phase",
     ),
     Mutation(
-        "compile-cache-not-restored", "common/run.py",
+        "compile-cache-not-restored", "common/run/training_run.py",
         "                self.console(self.compile_cache.restore(self.loaded))", "                pass",
         ("tests/test_compile_cache.py::test_a_resumed_compiled_run_does_not_compile_again",),
         "every requeued or cycled compiled run compiles again from scratch (minutes on a GPU)",
@@ -353,7 +353,7 @@ MUTATIONS: list[Mutation] = [
         "the fine-tune stage trains the whole backbone at the probe's LR",
     ),
     Mutation(
-        "keep-last-ignored", "common/run.py",
+        "keep-last-ignored", "common/run/training_run.py",
         "else checkpoint.keep_last,", "else 2,",
         (f"{KEY}[fashion_mnist-checkpoint.keep_last]",),
         "checkpoint.keep_last keeps 2 checkpoints whatever it says",
@@ -402,7 +402,7 @@ MUTATIONS: list[Mutation] = [
         "an epoch's short last step over-weighs the samples of its short micro-batch",
     ),
     Mutation(
-        "short-step-counted-as-full", "common/steps.py",
+        "short-step-counted-as-full", "common/run/steps.py",
         "samples = min(count * self.micro_batch, samples_left)", "samples = count * self.micro_batch",
         (f"{SHORT_LAST_STEP}[cifar100_resnet50]",),
         "an epoch's short last step is scaled as a full one: its gradient is too small",
@@ -428,7 +428,7 @@ MUTATIONS: list[Mutation] = [
         "with repeated augmentation every epoch uses the same third of the images, in the same order",
     ),
     Mutation(
-        "epoch-not-handed-to-the-sampler", "common/run.py",
+        "epoch-not-handed-to-the-sampler", "common/run/training_run.py",
         "self.sampler.set_epoch(self.progress.epoch)", "self.sampler.set_epoch(0)",
         (f"{DRAWS}test_the_sampler_orders_each_epoch_differently[timm_imagenet]",),
         "every epoch repeats the first one's order and augmentation",
@@ -468,13 +468,13 @@ MUTATIONS: list[Mutation] = [
     ),
     # rules with a reset, and the best
     Mutation(
-        "early-stopping-count-never-restarts", "common/run.py",
+        "early-stopping-count-never-restarts", "common/run/early_stopping.py",
         "progress.best_value, progress.evals_without_improvement = value, 0", "progress.best_value = value",
         (f"{RULES}test_the_patience_count_restarts_after_every_improvement",),
         "early stopping stops a run that is still improving, counting evaluations from before its last best",
     ),
     Mutation(
-        "a-plateau-improves", "common/checkpoint.py",
+        "a-plateau-improves", "common/checkpoint/layout.py",
         'return best is None or (value > best if mode == "max" else value < best)',
         'return best is None or (value >= best if mode == "max" else value <= best)',
         (f"{RULES}test_early_stopping_waits_for_patience_evaluations_in_a_row_without_a_better_value",
@@ -482,50 +482,50 @@ MUTATIONS: list[Mutation] = [
         "a plateau never triggers early stopping, and every equal value is kept as a new best",
     ),
     Mutation(
-        "best-mode-ignored", "common/checkpoint.py",
+        "best-mode-ignored", "common/checkpoint/layout.py",
         'return best is None or (value > best if mode == "max" else value < best)',
         "return best is None or value > best",
         (f"{RULES}test_every_new_best_is_force_and_the_summary_names_the_last_of_them[falling-min]",),
         "checkpoint.best_mode=min keeps the checkpoint with the highest loss",
     ),
     Mutation(
-        "a-nan-metric-improves", "common/checkpoint.py",
+        "a-nan-metric-improves", "common/checkpoint/layout.py",
         "if value is None or not math.isfinite(value):", "if value is None:",
         (f"{RULES}test_a_nan_evaluation_never_improves_not_even_the_first",),
         "a run whose first evaluation is NaN never finds a better checkpoint and stops early",
     ),
     Mutation(
-        "force-follows-only-the-first-value", "common/checkpoint.py",
+        "force-follows-only-the-first-value", "common/checkpoint/manager.py",
         "        self._best_value = value\n        return True",
         "        self._best_value = value if self._best_value is None else self._best_value\n        return True",
         (f"{RULES}test_every_new_best_is_force_and_the_summary_names_the_last_of_them[rising]",),
         "every checkpoint better than the first is _force: the ISC ships and keeps them all",
     ),
     Mutation(
-        "best-checkpoint-is-the-last-finite-one", "common/checkpoint.py",
+        "best-checkpoint-is-the-last-finite-one", "common/checkpoint/layout.py",
         "            best, best_value = found_dir, value", "            best = found_dir",
         (f"{RULES}test_every_new_best_is_force_and_the_summary_names_the_last_of_them[rising]",),
         "summary.json, make eval WHICH=best and retention take the newest checkpoint with a metric for the best",
     ),
     # retention, and the evaluation cadence
     Mutation(
-        "retention-drops-the-best", "common/checkpoint.py",
+        "retention-drops-the-best", "common/checkpoint/manager.py",
         "            keep.add(best.path)", "            pass",
         (f"{RULES}test_retention_keeps_the_newest_steps_and_the_best_as_it_moves",),
         "the best checkpoint is deleted once keep_last newer ones exist",
     ),
     Mutation(
-        "evaluation-every-epoch", "common/run.py",
-        "metrics = self._evaluate(evaluate) if self.progress.epoch % self.eval_every_epochs == 0 else None",
+        "evaluation-every-epoch", "common/run/training_run.py",
+        "metrics = self._evaluate(evaluate) if self.progress.epoch % self.trainer.eval_every_epochs == 0 else None",
         "metrics = self._evaluate(evaluate)",
         (f"{RULES}test_evaluations_come_every_eval_every_epochs_and_at_the_end",),
         "trainer.eval_every_epochs is ignored: a long evaluation runs after every epoch",
     ),
     # ---- issue 34: after a rollback the loop goes on at the run's step ------------------------------
     Mutation(
-        "restore-rebinds-the-progress", "common/run.py",
-        '        self.progress.load_state_dict(state["progress"])',
-        '        self._progress = Progress(**state["progress"])',
+        "restore-rebinds-the-progress", "common/run/state.py",
+        '    run.progress.load_state_dict(state["progress"])',
+        '    run._progress = type(run.progress)(**state["progress"])',
         (f"{DIVERGENCE}test_after_a_rollback_train_metrics_are_logged_every_log_every_steps[fashion_mnist]",
          f"{DIVERGENCE}test_after_a_rollback_each_step_draws_differently_from_the_one_before[cifar100_resnet50]",
          f"{DIVERGENCE}test_after_a_rollback_timm_imagenet_takes_the_scheduled_lr_of_each_step_times_the_factor",
@@ -534,21 +534,21 @@ MUTATIONS: list[Mutation] = [
         "a constant LR, dinov2 never fine-tunes",
     ),
     Mutation(
-        "no-checkpoint-of-a-fresh-optimizer", "common/run.py",
-        '            self._save_before_next_step = self.nonfinite == "rollback" and self.logger is not None',
+        "no-checkpoint-of-a-fresh-optimizer", "common/run/training_run.py",
+        '            self._save_before_next_step = self.divergence.rolls_back and self.logger is not None',
         "            pass",
         (f"{DIVERGENCE}test_a_rollback_in_dinov2_fsdps_fine_tune_goes_back_to_the_fine_tune",),
         "a rollback in dinov2's fine-tune loads the probe's checkpoint into the fine-tune's optimizer and crashes",
     ),
     Mutation(
-        "rollback-lr-factor-misses-the-warmup", "common/divergence.py",
+        "rollback-lr-factor-misses-the-warmup", "common/run/divergence.py",
         '_SCHEDULE_LR_ATTRIBUTES = ("base_lrs", "base_values", "warmup_lr_init", "warmup_steps", "lr_min")',
         '_SCHEDULE_LR_ATTRIBUTES = ("base_lrs", "base_values")',
         (f"{DIVERGENCE}test_after_a_rollback_timm_imagenet_takes_the_scheduled_lr_of_each_step_times_the_factor",),
         "a timm run that rolls back in its warmup keeps the LR that diverged until the warmup ends",
     ),
     Mutation(
-        "watch-reads-a-missing-loss", "common/run.py",
+        "watch-reads-a-missing-loss", "common/run/training_run.py",
         "        if loss is None:\n            raise UserError(", "        if False:\n            raise UserError(",
         (f"{DIVERGENCE}test_a_loop_whose_loss_sum_has_another_name_stops_at_its_first_step_with_one_line",),
         "a recipe whose loss sum has another name trains unwatched: a NaN run commits NaN checkpoints",
@@ -560,7 +560,7 @@ MUTATIONS: list[Mutation] = [
         "fungitastic's divergence is seen a step late, in the weights, after the NaN step was applied",
     ),
     Mutation(
-        "provenance-names-an-enclosing-repository", "common/provenance.py",
+        "provenance-names-an-enclosing-repository", "common/records/provenance.py",
         '        outside = [path for path in code if not git("ls-tree", "--name-only", "HEAD", "--", path).strip()]',
         "        outside = []",
         ("tests/test_provenance.py::test_code_untracked_inside_another_repository_names_none_of_its_commits",
@@ -570,47 +570,47 @@ MUTATIONS: list[Mutation] = [
     ),
     # ---- issue 38: memory (trainer.out_of_memory=halve, trainer.activation_checkpointing) ------------
     Mutation(
-        "retry-forgets-the-samples", "common/run.py",
-        "plan.groups(self._epoch_source(micro_batches), keep=self._step_start is not None)",
+        "retry-forgets-the-samples", "common/run/training_run.py",
+        "plan.groups(self._epoch_source(micro_batches), keep=halving.halves)",
         "plan.groups(self._epoch_source(micro_batches), keep=False)",
         (f"{REDONE}[fashion_mnist]", f"{REDONE}[timm_imagenet]"),
         "a step that ran out of memory is redone on the next batches: some samples are skipped, others seen twice",
     ),
     Mutation(
-        "retry-forgets-the-random-draws", "common/run.py",
-        "        self._step_start.restore()\n", "",
+        "retry-forgets-the-random-draws", "common/run/out_of_memory.py",
+        "        self.step_start.restore()\n", "",
         (f"{REDONE}[fungitastic]", f"{REDONE}[cifar100_resnet50]"),
         "the redone step draws other dropout and augmentation, counts the failed attempt's loss and BatchNorm batches",
     ),
     Mutation(
-        "retry-of-a-non-memory-error", "common/run.py",
-        "if not isinstance(error, torch.OutOfMemoryError) or not self._in_forward_backward:",
-        "if not self._in_forward_backward:",
+        "retry-of-a-non-memory-error", "common/run/out_of_memory.py",
+        "if not isinstance(error, torch.OutOfMemoryError) or not self.in_forward_backward:",
+        "if not self.in_forward_backward:",
         (f"{OOM}test_an_error_that_is_not_memory_is_not_retried",),
         "a bug, a bad input or a NaN check in the loop is retried with smaller micro-batches instead of reported",
     ),
     Mutation(
-        "ranks-never-agree-on-the-micro-batch", "common/run.py",
+        "ranks-never-agree-on-the-micro-batch", "common/run/out_of_memory.py",
         "        if len(set(micro_batches)) <= 1:\n            return\n        size = min(micro_batches)",
         "        if True:\n            return\n        size = min(micro_batches)",
         (f"{TWO_RANKS_AGREE}[fashion_mnist-failing0]",),
         "the ranks that did not run out keep the large micro-batch: the run's records and summary disagree with them",
     ),
     Mutation(
-        "halve-mode-reduces-no-gradients", "common/run.py",
+        "halve-mode-reduces-no-gradients", "common/run/out_of_memory.py",
         "        all_reduce_gradients(self.model)\n", "",
         (f"{TWO_RANKS_AGREE}[fashion_mnist-failing0]",),
         "with trainer.out_of_memory=halve on several ranks each rank trains on its own gradients: they drift apart",
     ),
     Mutation(
-        "fsdp-retry-keeps-its-iteration-state", "common/out_of_memory.py",
+        "fsdp-retry-keeps-its-iteration-state", "common/run/out_of_memory.py",
         "        model.reset_iter_state()\n", "        pass\n",
         (f"{TWO_RANKS_AGREE}[timm_imagenet-fsdp-failing1]",),
         "under FSDP2 the redone step and every later one apply no gradient: the weights stop changing",
     ),
     Mutation(
-        "halved-size-forgotten-on-resume", "common/run.py",
-        'if self.out_of_memory == "halve" and progress.micro_batch_found_on == self._device_key:',
+        "halved-size-forgotten-on-resume", "common/run/out_of_memory.py",
+        'if self.mode == "halve" and progress.micro_batch_found_on == self.device_key:',
         "if False:",
         (f"{OOM}test_the_size_is_kept_on_the_same_device_and_tried_again_on_another",),
         "every requeue on the same small GPU runs out of memory again first, and a resumed run is not bit-exact",
@@ -630,7 +630,7 @@ MUTATIONS: list[Mutation] = [
     ),
     # ---- issue 35: what a step costs, and the data that feeds it -------------------------------------
     Mutation(
-        "failed-step-leaves-the-flop-counter-on", "common/run.py",
+        "failed-step-leaves-the-flop-counter-on", "common/run/training_run.py",
         "            if self._flop_count is not None:  # a step that failed: its counter must not stay on in this "
         "process",
         "            if False:",
@@ -638,7 +638,7 @@ MUTATIONS: list[Mutation] = [
         "a run whose first step fails in-process (a search trial, a notebook) leaves torch.compile forced eager",
     ),
     Mutation(
-        "loader-iterator-per-epoch", "common/run.py",
+        "loader-iterator-per-epoch", "common/run/training_run.py",
         "        if self._stream is None or self._stream[0] is not micro_batches or self._stream_at != at:",
         "        if True:",
         ("tests/test_loaders.py::test_the_next_epochs_first_batches_are_asked_for_before_the_epoch_ends",),
@@ -726,6 +726,13 @@ MUTATIONS: list[Mutation] = [
         "                self._streaming._on_demand_bytes = False", "                pass",
         (f"{SOURCES}test_a_remote_is_read_through_a_node_local_cache_bounded_by_its_limit",),
         "reading a remote fills the node's disk with every chunk whatever data.shards.cache_limit says",
+    ),
+    Mutation(
+        "records-import-the-run", "common/records/summary.py",
+        "from common.jsonfiles import write_json",
+        "from common.jsonfiles import write_json\nfrom common.run.steps import StepPlan  # noqa: F401",
+        ("tests/test_layers.py::test_a_module_of_common_imports_only_its_layer_and_those_below[common.records.summary]",),
+        "common/ grows an upward import: the next change makes a cycle, and a layer can no longer be read alone",
     ),
     # ---- issue 36: the shared test tables take each recipe's entries from recipes/<recipe>/testing.py
     Mutation(

@@ -1,2 +1,1 @@
-"""Input pipelines: samplers that resume exactly, DataLoader set-up, image decoding and batch
-augmentation on the device, dataset readers and staging (README "Layout")."""
+"""Input pipelines: resumable samplers, DataLoader set-up, image decoding and augmentation, dataset readers."""

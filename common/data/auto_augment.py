@@ -1,18 +1,14 @@
 """torchvision's TrivialAugmentWide and RandAugment for a whole batch at once, on any device.
 
-torchvision's policies work image by image: on a GPU every affine or rotate op builds its matrix
-from a Python list on the device (two blocking host-to-device copies), and each op is a handful
-of kernels for one image, so a batch costs dozens of host syncs and a thousand or more kernel
-launches. :class:`BatchAutoAugment` draws every image's ops and magnitudes on the CPU from
-torch's global generator, exactly as torchvision draws them (same calls, same order, so a seed
-gives torchvision's choices), then applies them to the batch: the per-image numbers reach the
-device in one copy, one ``grid_sample`` does every geometric op of the batch, and each colour op
-runs once on the images that drew it. No op reads a value back from the device.
+Why: torchvision's policies work image by image; on a GPU each affine or rotate op makes two blocking
+host-to-device copies, so a batch costs dozens of host syncs and over a thousand kernel launches.
 
-Each op computes what torchvision's computes on uint8 images (the same formulas, truncation and
-rounding), in float32 holding whole numbers, so the images follow torchvision's distribution;
-they may differ from torchvision's by a grey level where float rounding differs. The fill for
-pixels moved in from outside the image is 0, torchvision's default.
+- :class:`BatchAutoAugment` draws every image's ops and magnitudes on the CPU from torch's global
+  generator with torchvision's calls in its order (a seed gives torchvision's choices).
+- Applying them: one host-to-device copy of the numbers, one ``grid_sample`` for every geometric op,
+  each colour op once on the images that drew it; nothing is read back from the device.
+- Each op uses torchvision's uint8 formulas, truncation and rounding in float32 whole numbers: the same
+  distribution, at most a grey level apart where float rounding differs. Fill is 0, torchvision's default.
 """
 
 from __future__ import annotations
@@ -74,10 +70,11 @@ _GREY = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale weights
 
 
 def _inverse_affine(name: str, magnitude: float, height: int, width: int) -> list[float]:
-    """The 2x3 matrix from output to input pixel coordinates (centred on the image) of a
-    geometric op: the arguments torchvision's ``affine`` and ``rotate`` pass to its
-    ``_get_inverse_affine_matrix``, and that function's arithmetic, step by step (nearest
-    sampling turns a last-bit difference on a half-pixel into another pixel)."""
+    """A geometric op's 2x3 matrix from output to input pixel coordinates (centred on the image).
+
+    Follows torchvision's ``_get_inverse_affine_matrix`` step by step: under nearest sampling a last-bit
+    difference on a half-pixel picks another pixel.
+    """
     centre, angle, translate, shear = [0.0, 0.0], 0.0, [0.0, 0.0], [0.0, 0.0]
     if name in ("ShearX", "ShearY"):  # about the top-left corner
         centre = [-width * 0.5, -height * 0.5]
@@ -102,8 +99,11 @@ def _inverse_affine(name: str, magnitude: float, height: int, width: int) -> lis
 
 
 class BatchAutoAugment:
-    """TrivialAugmentWide (one op per image, its magnitude drawn) or RandAugment (``num_ops`` ops,
-    a fixed magnitude) of uint8 ``[B, 3, H, W]`` batches; see the module's docstring."""
+    """TrivialAugmentWide or RandAugment of uint8 ``[B, 3, H, W]`` batches (see the module).
+
+    - ``num_ops``: ops per image; ``magnitude``: a fixed bin (RandAugment) or None, drawn per op (TrivialAugment).
+    - Raises ``ValueError`` for an unknown ``interpolation`` or a magnitude outside ``[0, num_bins)``.
+    """
 
     def __init__(self, space: dict[str, tuple[_Magnitudes, bool]], num_ops: int, magnitude: int | None,
                  num_bins: int = 31, interpolation: str = "nearest") -> None:
@@ -167,9 +167,10 @@ class BatchAutoAugment:
         return pixels.to(torch.uint8)
 
     def apply_ops(self, pixels: torch.Tensor, ops: list[tuple[str, float]]) -> torch.Tensor:
-        """Each image's op (``ops[i]`` for image ``i``): the images are grouped by op, each group
-        is gathered, changed and put back in its place by one gather of the whole batch; every
-        number the groups need comes from one host-to-device copy."""
+        """Apply ``ops[i]`` to image ``i``: grouped by op, each group changed, one gather puts them back.
+
+        Every number the groups need comes in one host-to-device copy.
+        """
         height, width = pixels.shape[-2:]
         groups: dict[str, list[int]] = {}
         for index, (name, _) in enumerate(ops):
@@ -196,8 +197,7 @@ class BatchAutoAugment:
         return torch.cat(changed).index_select(0, numbers[:, ROW_OF].long())
 
     def op_numbers(self, name: str, magnitude: float, height: int, width: int) -> list[float]:
-        """The numbers an op needs on the device, computed here in double precision as torchvision
-        computes them in Python (one row of the copy; see the column names above)."""
+        """One row of the copy: the numbers an op needs, in double precision as torchvision computes them."""
         theta = _inverse_affine(name, magnitude, height, width) if name in _GEOMETRIC else [0.0] * 6
         ratio = 1.0 + magnitude  # Brightness, Color, Contrast, Sharpness
         step = 2.0 ** (8 - int(magnitude)) if name == "Posterize" else 1.0
@@ -231,8 +231,7 @@ class BatchAutoAugment:
         raise ValueError(f"no batched implementation of {group}")
 
     def affine(self, pixels: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-        """torchvision's affine and rotate (``_affine_grid`` and ``_apply_grid_transform``, no
-        fill) for a batch, each image with its own matrix."""
+        """torchvision's affine and rotate (``_affine_grid``, ``_apply_grid_transform``, no fill), per image."""
         batch, _, height, width = pixels.shape
         base = torch.empty(1, height, width, 3, device=pixels.device)
         base[..., 0].copy_(torch.linspace((1.0 - width) * 0.5, (width - 1.0) * 0.5, width, device=pixels.device))
@@ -246,8 +245,10 @@ class BatchAutoAugment:
 
 
 def batch_policy(policy: Any) -> BatchAutoAugment:
-    """The batched equivalent of a torchvision (v2) TrivialAugmentWide or RandAugment, which
-    DataLoader workers run image by image (torchvision is faster there, on uint8 on a CPU)."""
+    """The batched equivalent of a torchvision (v2) TrivialAugmentWide or RandAugment.
+
+    DataLoader workers keep torchvision's own, image by image: it is faster on uint8 on a CPU.
+    """
     from torchvision.transforms import v2
 
     if isinstance(policy, BatchAutoAugment):
@@ -274,10 +275,11 @@ def _blend(pixels: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor, compl
 
 
 def _sharpen(pixels: torch.Tensor, complement: torch.Tensor) -> torch.Tensor:
-    """torchvision's ``adjust_sharpness`` of uint8 images: a blend with the image smoothed by the
-    3x3 kernel ``[[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13`` (rounded), the border pixels kept. The
-    weighted sums of whole numbers are exact here, and a sum over 13 is never half-way between two
-    whole numbers, so the rounding is torchvision's (its convolution is about ten times slower on a CPU)."""
+    """torchvision's ``adjust_sharpness`` of uint8 images, without its convolution (slower on a CPU).
+
+    A blend with the image smoothed by ``[[1, 1, 1], [1, 5, 1], [1, 1, 1]] / 13`` (rounded), border kept.
+    Sums of whole numbers are exact and a sum over 13 is never half-way, so the rounding is torchvision's.
+    """
     height, width = pixels.shape[-2:]
     if height <= 2 or width <= 2:
         return pixels
@@ -300,7 +302,8 @@ def autocontrast(pixels: torch.Tensor) -> torch.Tensor:
 
 def equalize(pixels: torch.Tensor) -> torch.Tensor:
     """torchvision's ``equalize`` of uint8 images (PIL's lookup table), each channel on its own.
-    The cumulative histogram comes from sorting and ``searchsorted``, deterministic on CUDA."""
+
+    The cumulative histogram comes from sorting and ``searchsorted``: deterministic on CUDA."""
     values = pixels.flatten(start_dim=-2)  # [B, 3, H*W]
     cumulative = torch.searchsorted(values.sort(dim=-1).values.contiguous(),
                                     torch.arange(256.0, device=pixels.device).expand(*values.shape[:-1], 256)

@@ -1,8 +1,7 @@
 """CIFAR-100 in its original "python version" format, read into uint8 tensors.
 
-Shared by ``cifar100_resnet50`` and ``dinov2_fsdp`` (and by ``data_prep/cifar100_resnet50.py``),
-so there is one reader. The pickles are loaded with an unpickler that only admits the NumPy
-types the format needs: a tampered file cannot run code.
+- The one reader for ``cifar100_resnet50``, ``dinov2_fsdp`` and ``data_prep/cifar100_resnet50.py``.
+- The unpickler admits only the NumPy types the format needs: a tampered file cannot run code.
 """
 
 from __future__ import annotations

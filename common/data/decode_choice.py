@@ -1,19 +1,16 @@
 """``data.decode=auto``: decode training JPEGs where it does not slow the run down.
 
-DataLoader workers decoding on the CPU cost the GPU nothing, as long as they keep up with it;
-decoding on the GPU (nvjpeg, ``data.decode=gpu``) frees the CPU but takes time from every step.
-So the CPU wins while the cores a rank gets decode at least as many images per second as the
-model trains, and the GPU wins below that: on a node with few cores per GPU, or for a small
-model. ``auto`` measures both sides at start-up, on rank 0, and every rank takes its choice:
+CPU workers cost the GPU nothing while they keep up; nvjpeg (``data.decode=gpu``) frees the CPU but
+takes time from every step. ``auto`` measures both sides at start-up on rank 0, and every rank takes
+its choice:
 
-- supply: images/s one core decodes and augments through the recipe's own CPU pipeline (a few of
-  the run's training files, this thread's CPU time), times the loader workers of the rank;
-- demand: images/s the model trains on this GPU: forward and backward of a synthetic micro-batch
-  (the weights, buffers, gradients and random generators are left as they were).
-
-Where only one side can run (a CPU device; a per-sample policy or an interpolation that only the
-CPU path has), or where the run must not depend on timings (``trainer.deterministic``), ``auto``
-is the CPU. The choice and its reason are one line of the recipe's start-up summary.
+- supply: images/s one core decodes and augments through the recipe's CPU pipeline (a few training
+  files), times the rank's loader workers;
+- demand: images/s the model trains on this GPU (forward and backward of a synthetic micro-batch;
+  weights, buffers, gradients and random generators left as they were);
+- the CPU when supply >= :data:`HEADROOM` x demand, and whenever only the CPU can run (CPU device, an
+  augmentation only the CPU path has) or timings must not matter (``trainer.deterministic``);
+- the choice and its reason are one line of the start-up summary.
 """
 
 from __future__ import annotations
@@ -41,6 +38,8 @@ _SAMPLE_FILES = 64  # training files the decode rate is measured on, at most
 
 @dataclass(frozen=True)
 class DecodeChoice:
+    """Where a run decodes, and the line that says why."""
+
     decode: Decode
     reason: str
 
@@ -48,13 +47,14 @@ class DecodeChoice:
 def choose_decode(configured: Decode, *, device: torch.device, deterministic: bool, gpu_unsupported: str | None,
                   workers: int, core_rate: Callable[[], float], model_rate: Callable[[], float],
                   model_is_sharded: bool = False) -> DecodeChoice:
-    """Where this run decodes: ``configured`` unless it is ``auto``; then the CPU while ``workers``
-    cores at ``core_rate()`` images/s each supply ``HEADROOM`` x ``model_rate()``, else the GPU.
+    """Where this run decodes: ``configured``, or under ``auto`` the rule of the module.
 
     - ``gpu_unsupported``: why the GPU path cannot run this augmentation (None: it can).
-    - ``core_rate`` and ``model_rate`` are measured only when the choice needs them, on rank 0
-      (``model_rate`` on every rank when ``model_is_sharded``: FSDP2's forward passes are collective);
-      the choice is every rank's (collective)."""
+    - ``workers`` cores at ``core_rate()`` images/s each are weighed against ``model_rate()``.
+    - The rates are measured only when needed, on rank 0 (``model_rate`` on every rank when
+      ``model_is_sharded``: FSDP2's forward passes are collective).
+    - Collective: rank 0's choice is broadcast.
+    """
     if configured != Decode.auto:
         return DecodeChoice(configured, f"data.decode={configured.value}")
     if device.type != "cuda":
@@ -77,8 +77,10 @@ def choose_decode(configured: Decode, *, device: torch.device, deterministic: bo
 
 
 def core_rate(decode_one: Callable[[int], object], count: int) -> float:
-    """Images/s one core decodes: ``decode_one(i)`` for i = 0, 1, ... (at most ``count``) for about
-    ``_SAMPLE_SECONDS`` of this thread's CPU time, after one not counted (its imports, its caches)."""
+    """Images/s one core decodes, timing ``decode_one(i)`` for i < ``count`` in this thread's CPU time.
+
+    The first call (imports, caches) is not counted; timing stops after ``_SAMPLE_SECONDS``.
+    """
     decode_one(0)
     start, done = time.thread_time(), 0
     while done < count - 1 and time.thread_time() - start < _SAMPLE_SECONDS:
@@ -89,9 +91,9 @@ def core_rate(decode_one: Callable[[int], object], count: int) -> float:
 
 def model_rate(model: torch.nn.Module, batch: int, image_size: int, precision: Precision, channels_last: bool,
                device: torch.device) -> float:
-    """Images/s ``model`` trains (forward and backward, no optimizer step) on a synthetic batch of
-    ``batch`` images on ``device``; its parameters, buffers, gradients and the random generators
-    are as they were before."""
+    """Images/s ``model`` trains (forward and backward, no optimizer step) on a synthetic ``batch``.
+
+    Leaves parameters, buffers, gradients (set to None) and random generators as they were."""
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         images = torch.randn(batch, 3, image_size, image_size, device=device)
@@ -117,9 +119,9 @@ def model_rate(model: torch.nn.Module, batch: int, image_size: int, precision: P
 def choose_train_decode(configured: Decode, trainer: TrainerConfig, augmentation: TrainAugmentation,
                         images: Dataset, draft_decode: bool, model: torch.nn.Module, image_size: int,
                         device: torch.device) -> DecodeChoice:
-    """:func:`choose_decode` for a recipe's training images (``images``: their source, files or shards)
-    and its built ``model``, with the ``trainer`` node's workers, micro-batch, precision and
-    determinism. Collective."""
+    """:func:`choose_decode` for a recipe's training ``images`` (files or shards) and its built ``model``.
+
+    Takes workers, micro-batch, precision and determinism from ``trainer``. Collective."""
     workers = trainer.num_workers if trainer.num_workers >= 0 else cpu_cores_per_rank()
     files = TrainImages(Subset(images, range(min(len(images), _SAMPLE_FILES))), augmentation, Decode.cpu,
                         draft_decode)

@@ -1,21 +1,18 @@
 """A split's file list, built once and reused: names, labels and the image sizes the crop boxes need.
 
-torchvision's ``ImageFolder`` walks its whole tree in every process at every start: every rank,
-every SLURM requeue, every ISC cycle (measured in ``benchmarks/RESULTS.md``). Here the list is
-built once, by ``make prep-<recipe>`` or at the first start (local rank 0 of each node lists the
-files and reads every header, in parallel, while the other ranks wait), and saved as
-``<name>.index.npz`` next to the data, or in the run directory's ``index/`` when the data's folder
-cannot be written. Every later process loads it (well under a second for ImageNet) and checks it
-against the tree with one ``stat`` per folder it was built from: a folder's modification time
-changes when a file in it is added, removed or renamed. A list whose folders changed, or whose
-checksum does not match its arrays, stops the run with one line naming the list and the fix; the
-list is built again only when asked (``data.rebuild_index=true``). A file changed in place keeps
-its folder's time; its decoded size then differs from the list's and the worker says so
-(:func:`common.data.images.check_size`).
+Why: torchvision's ``ImageFolder`` walks its whole tree in every process at every start (every rank,
+requeue and ISC cycle); timings in benchmarks/RESULTS.md, issue 37.
 
-Names are kept as one UTF-8 byte array and their ends, not a Python list of a million strings: a
-DataLoader worker reading a list touches the reference count of every string and copies the pages
-they live on (pytorch/pytorch#13246), while numpy arrays stay shared.
+- Built once, by ``make prep-<recipe>`` or at the first start (local rank 0 of each node reads every
+  header in parallel while the others wait), saved as ``<name>.index.npz`` next to the data, or in the
+  run directory's ``index/`` when the data's folder is read-only.
+- Every later process loads it and checks it with one ``stat`` per folder it was built from (a
+  folder's mtime changes when a file is added, removed or renamed).
+- Changed folders or a bad checksum stop the run with one line naming the fix; the list is rebuilt only
+  when asked (``data.rebuild_index=true``). A file changed in place is caught by its decoded size
+  (:func:`common.data.images.check_size`).
+- Names are one UTF-8 byte array plus their ends, not a list of a million strings: workers reading a
+  Python list copy its pages through the reference counts (pytorch/pytorch#13246); numpy arrays stay shared.
 """
 
 from __future__ import annotations
@@ -51,8 +48,9 @@ UNREADABLE_SHOWN = 5
 
 @dataclass
 class FileIndex:
-    """Every file of a split: its name relative to the data root, its label (``[N]`` or ``[N, K]``),
-    its size and whether nvjpeg can decode it; ``info`` says what it was built from (JSON)."""
+    """Every file of a split: name relative to the data root, label (``[N]`` or ``[N, K]``), size, nvjpeg flag.
+
+    ``info``: what it was built from (JSON), with the watched folders and the checksum."""
 
     names: np.ndarray  # uint8: every name in UTF-8, one after another
     ends: np.ndarray  # int64 [N]: where each name ends in ``names``
@@ -96,7 +94,7 @@ class FileIndex:
 
     @classmethod
     def load(cls, path: Path) -> FileIndex:
-        """The list saved at ``path``, its checksum verified."""
+        """The list saved at ``path``; raises ``UserError`` when unreadable or its checksum fails."""
         try:
             with np.load(path, allow_pickle=False) as saved:
                 info = json.loads(saved["info"].tobytes())
@@ -150,8 +148,9 @@ def _header(path: str) -> tuple[int, int, bool] | str:
 
 
 def read_headers(paths: Sequence[str], workers: int, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Widths, heights and nvjpeg flags of ``paths``, read in ``workers`` processes with a progress
-    bar; unreadable files are one error naming the first few."""
+    """Widths, heights and nvjpeg flags of ``paths``, read in ``workers`` processes with a progress bar.
+
+    Raises one ``UserError`` naming the first few unreadable files."""
     bar = tqdm(total=len(paths), desc=f"reading the headers of {what}", unit="files", file=sys.stderr,
                mininterval=1 if sys.stderr.isatty() else 30, disable=len(paths) < PARALLEL_FROM)
     if workers > 1 and len(paths) >= PARALLEL_FROM:
@@ -177,9 +176,10 @@ def read_headers(paths: Sequence[str], workers: int, what: str) -> tuple[np.ndar
 
 def build(root: Path, names: Sequence[str], labels: np.ndarray, watched: Sequence[str], workers: int,
           what: str, **info: Any) -> FileIndex:
-    """The list of ``names`` (relative to ``root``) with their headers read, watching ``watched``
-    (folders and files relative to ``root``; taken before the headers are read, so a change made
-    meanwhile shows at the next start). ``info`` is kept with it (classes, counts...)."""
+    """The list of ``names`` (relative to ``root``) with their headers read; ``info`` is kept with it.
+
+    ``watched``: folders and files under ``root`` the list is checked against, stat-ed before the headers are
+    read, so a change made meanwhile shows at the next start."""
     watched_now = watch(root, watched)
     encoded = [name.encode() for name in names]
     widths, heights, decodable = read_headers([str(root / name) for name in names], workers, what)
@@ -198,10 +198,13 @@ def saved_list(beside_data: Path, run_dir: Path) -> tuple[Path, Path]:
 
 def load_or_build(root: Path, beside_data: Path, run_dir: Path, make: Callable[[], FileIndex], rebuild: bool,
                   local_rank: int, fix: str, poll_seconds: float = 0.5) -> tuple[FileIndex, Path]:
-    """The saved list of a split and where it is, checked against ``root``; built by ``make`` and
-    saved when there is none or ``rebuild`` asks. Collective: on each node local rank 0 builds
-    while the others wait for the file (no collective time-out while a million headers are read).
-    ``fix`` is the prep command that builds it too, named in the line a changed tree stops with."""
+    """The saved list of a split and where it is, checked against ``root``.
+
+    - ``make`` builds it when there is none or ``rebuild`` asks; then it is saved (:func:`save`).
+    - Collective: local rank 0 of each node builds while the others poll for the file, so no
+      collective times out while a million headers are read.
+    - ``fix``: the prep command named in the ``UserError`` a changed tree stops with.
+    """
     token = broadcast_object(secrets.token_hex(8))  # names a list built by this start
     paths = saved_list(beside_data, run_dir)
     found = next((path for path in reversed(paths) if path.is_file()), None)
@@ -245,8 +248,9 @@ def save(index: FileIndex, paths: tuple[Path, Path]) -> Path:
 
 
 class IndexedFiles(Dataset):
-    """The files of a saved list (names relative to ``root``): each sample's bytes, read as needed,
-    and its size and label from the list. ``label_columns`` picks columns of ``[N, K]`` labels."""
+    """The files of a saved list as a dataset of :class:`EncodedImage` (bytes read as needed, size and label listed).
+
+    ``label_columns``: the columns of ``[N, K]`` labels to return."""
 
     def __init__(self, root: str | Path, index: FileIndex, label_columns: Sequence[int] | None = None) -> None:
         self.root = str(root)

@@ -1,9 +1,8 @@
-"""Whole image batches on the training device: per-channel normalisation and a seeded random
-crop and flip.
+"""Whole image batches on the training device: per-channel normalisation and a seeded random crop and flip.
 
-Recipes whose dataset lives on the device (fashion_mnist, cifar100_resnet50, dinov2_fsdp) augment
-a batch at a time where the model runs; the JPEG recipes normalise their uint8 batches there
-(``common/data/images.py``). Both need only torch, so a recipe that uses them imports nothing else.
+- Used by recipes whose dataset lives on the device (fashion_mnist, cifar100_resnet50, dinov2_fsdp) and
+  by the JPEG recipes' uint8 batches (``common/data/images.py``).
+- Needs only torch.
 """
 
 from __future__ import annotations
@@ -15,10 +14,11 @@ import torch.nn.functional as F
 
 
 class Normalize:
-    """Batches to float, normalised with per-channel ``mean`` and ``std`` (given on the 0-1 scale),
-    on ``device``. The constants are made there once: made per batch, they would be a copy from
-    the host, and a synchronisation with a GPU, each time. ``input_max`` is the largest value of
-    the input: 255 for uint8 (or 0-255 floats), 1 for floats in [0, 1]."""
+    """Batches to float on ``device``, normalised with per-channel ``mean`` and ``std``.
+
+    - ``mean``, ``std``: on the 0-1 scale. ``input_max``: the input's largest value (255 for uint8, 1 for [0, 1]).
+    - The constants are made on ``device`` once: per batch they would cost a host copy and a GPU sync.
+    """
 
     def __init__(self, mean: Sequence[float], std: Sequence[float], device: torch.device,
                  input_max: float = 255) -> None:
@@ -34,11 +34,12 @@ class Normalize:
 
 def random_crop_and_flip(images: torch.Tensor, padding: int, flip: bool, generator: torch.Generator,
                          fill: float = 0.0, reflect: bool = False) -> torch.Tensor:
-    """A random crop of each image after padding it by ``padding`` pixels on every side (with
-    ``fill``, or by reflection), and a horizontal flip of each with probability 1/2 when ``flip``:
-    torchvision's ``RandomCrop(padding=...)`` and ``RandomHorizontalFlip`` on a whole ``[B, C, H, W]``
-    batch at once. Every draw comes from ``generator`` (crop offsets first, then flips), so a
-    generator seeded for the step makes a resumed run crop exactly as the uninterrupted one."""
+    """torchvision's ``RandomCrop(padding=...)`` and ``RandomHorizontalFlip`` on a whole ``[B, C, H, W]`` batch.
+
+    - ``padding``: pixels on every side, with ``fill`` or by reflection (``reflect``); ``flip``: each image
+      flipped with probability 1/2.
+    - Every draw comes from ``generator`` (offsets, then flips): seeded per step, a resume crops identically.
+    """
     batch, channels, height, width = images.shape
     device = images.device
     if padding > 0:

@@ -1,15 +1,15 @@
 """Image input pipelines that keep a GPU fed: JPEG files to normalised batches on the device.
 
-The bytes and the image's size come from a source: files by path (:class:`PathImages`, which reads
-each header), a saved file list (``common/data/file_index.py``) or shards (``common/data/shards.py``).
-``data.decode=cpu``: the DataLoader worker draws the crop box for the image's size, decodes at the
-smallest DCT scale that keeps the box at least the output size, crops, resizes and augments on
-uint8. ``data.decode=gpu``: the worker only reads the bytes and makes the same draws; the main
-process decodes the batch with nvjpeg and crops it with ``roi_align`` (what it cannot decode there,
-the worker decodes). :class:`DeviceTrainInput` then does the float work once per batch on the
-device. Every draw is seeded by :class:`common.data.loaders.PerSampleSeeded` from (seed, epoch,
-index), as timm's and torchvision's transforms draw them: a resume sees the same images. Figures
-and limits: README "Feeding a GPU from JPEG files".
+- Sources of bytes and sizes: files by path (:class:`PathImages`), a saved file list
+  (``common/data/file_index.py``) or shards (``common/data/shards.py``).
+- ``data.decode=cpu``: the worker draws the crop box, decodes at the smallest DCT scale that keeps the
+  box at least the output size, then crops, resizes and augments on uint8.
+- ``data.decode=gpu``: the worker only reads the bytes and makes the same draws; the main process
+  decodes with nvjpeg and crops with ``roi_align`` (the worker decodes what nvjpeg cannot).
+- :class:`DeviceTrainInput` does the float work once per batch on the device.
+- Every draw is seeded by :class:`common.data.loaders.PerSampleSeeded` from (seed, epoch, index), in
+  timm's and torchvision's order: a resume sees the same images.
+- Figures and limits: docs/data.md, "Decoding: feeding a GPU from JPEG files".
 """
 
 from __future__ import annotations
@@ -73,8 +73,11 @@ def read_file(path: str) -> np.ndarray:
 
 
 def read_header(data: np.ndarray | str, path: str) -> tuple[int, int, bool]:
-    """Width, height and whether the device decoder can take it (a three-component JPEG), from
-    the header alone: of the bytes ``data``, or of the file ``data`` names (its first few KB only)."""
+    """Width, height and whether nvjpeg can take it (a three-component JPEG), from the header alone.
+
+    - ``data``: the file's bytes, or its path (then only its first few KB are read).
+    - Raises ``UserError`` naming ``path`` when it is not a readable image.
+    """
     try:
         with Image.open(data if isinstance(data, str) else io.BytesIO(data)) as image:
             return image.width, image.height, image.format == "JPEG" and image.mode == "RGB"
@@ -94,8 +97,7 @@ class EncodedImage(NamedTuple):
 
 
 class PathImages(Dataset):
-    """Image files by path, each header read from the file's bytes: the source for a list of paths
-    (a file list saved with the sizes is :class:`common.data.file_index.IndexedFiles`)."""
+    """Image files by path, each header read from the file's bytes (a saved list is ``IndexedFiles``)."""
 
     def __init__(self, paths: Sequence[str], labels: Sequence[Any]) -> None:
         self.paths = paths
@@ -111,8 +113,9 @@ class PathImages(Dataset):
 
 
 def decode(data: np.ndarray, path: str, reduction: int = 1) -> np.ndarray:
-    """RGB uint8 ``[H, W, 3]``; with ``reduction`` 2, 4 or 8 decoded directly at that fraction of
-    the size (libjpeg's DCT scaling). Greyscale and CMYK come out as RGB, as PIL's convert gives."""
+    """RGB uint8 ``[H, W, 3]`` of an encoded image; greyscale and CMYK come out as RGB, as PIL's convert gives.
+
+    ``reduction``: 2, 4 or 8 decodes directly at that fraction of the size (libjpeg's DCT scaling)."""
     pixels = cv2.imdecode(data, _DECODE_FLAGS[reduction])
     if pixels is None:
         raise UserError(f"{path} is not a readable image (it does not decode)")
@@ -120,9 +123,10 @@ def decode(data: np.ndarray, path: str, reduction: int = 1) -> np.ndarray:
 
 
 def check_size(decoded: Sequence[int], width: int, height: int, name: str, reduction: int = 1) -> None:
-    """An image decoded to ``decoded`` rows and columns (at ``1/reduction`` of the size) must be the
-    ``width`` x ``height`` its crop box was drawn for: a file changed in place after its file list
-    was saved would otherwise be cropped where it has no pixels."""
+    """Raise ``UserError`` unless an image decoded at ``1/reduction`` is the ``width`` x ``height`` listed.
+
+    A file changed in place after its list was saved would otherwise be cropped where it has no pixels.
+    """
     if (decoded[0], decoded[1]) != (math.ceil(height / reduction), math.ceil(width / reduction)):
         raise UserError(f"{name} is about {decoded[1] * reduction}x{decoded[0] * reduction} pixels, but its file list "
                         f"says {width}x{height}: the file changed after the list was saved; list the files again "
@@ -139,9 +143,10 @@ def dct_reduction(box: CropBox, size: int) -> int:
 
 def random_resized_crop(width: int, height: int, scale: tuple[float, float],
                         ratio: tuple[float, float]) -> CropBox:
-    """timm's RandomResizedCropAndInterpolation box, drawn from Python's generator in timm's order:
-    an area fraction in ``scale`` and a log-uniform aspect ratio in ``ratio``, 10 tries, then
-    the whole image clipped to ``ratio``. (torchvision's RandomResizedCrop is the same algorithm.)"""
+    """timm's RandomResizedCropAndInterpolation box (torchvision's algorithm), drawn from Python's generator.
+
+    Draws in timm's order: an area fraction in ``scale``, a log-uniform aspect ratio in ``ratio``, 10 tries, then
+    the whole image clipped to ``ratio``."""
     area = width * height
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
@@ -162,10 +167,11 @@ def random_resized_crop(width: int, height: int, scale: tuple[float, float],
 
 
 def _crop_resize(pixels: np.ndarray, box: CropBox, size: int, interpolation: str) -> torch.Tensor:
-    """uint8 ``[3, size, size]``: ``box`` of ``[H, W, 3]`` pixels, resized with antialiasing as
-    PIL does. A whole-pixel box takes torch's uint8 kernels (about twice PIL's speed); a box with
-    fractional edges (an image decoded at a reduced scale) takes PIL's, which resamples exactly
-    that region: rounding it to whole pixels of a 1/8-scale image would shift the crop."""
+    """uint8 ``[3, size, size]``: ``box`` of ``[H, W, 3]`` pixels resized with antialiasing, as PIL does.
+
+    A whole-pixel box takes torch's uint8 kernels (faster: benchmarks/RESULTS.md, issue 36 section); a
+    fractional box (a reduced-scale decode) takes PIL's, which resamples exactly that region.
+    """
     if all(float(edge).is_integer() for edge in box):
         top, left, height, width = (int(edge) for edge in box)
         region = torch.from_numpy(pixels[top : top + height, left : left + width]).permute(2, 0, 1)
@@ -177,8 +183,7 @@ def _crop_resize(pixels: np.ndarray, box: CropBox, size: int, interpolation: str
 
 
 def _draw_colour_jitter(strength: float) -> torch.Tensor:
-    """``[brightness, contrast, saturation, order of the 4 adjustments]`` drawn as torchvision's
-    ``ColorJitter(strength, strength, strength).get_params`` draws them (hue, index 3, is off)."""
+    """``[brightness, contrast, saturation, order of 4]`` drawn as torchvision's ``ColorJitter.get_params`` (no hue)."""
     order = torch.randperm(4)
     low, high = max(0.0, 1 - strength), 1 + strength
     factors = [float(torch.empty(1).uniform_(low, high)) for _ in range(3)]
@@ -190,8 +195,9 @@ def _draw_colour_jitter(strength: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TrainAugmentation:
-    """A recipe's per-sample training augmentation: a random-resized crop to ``size``, a
-    horizontal flip, colour jitter (applied on the device) and a per-sample policy."""
+    """A recipe's per-sample training augmentation: random-resized crop, flip, colour jitter, a policy.
+
+    Colour jitter is applied on the device; raises ``UserError`` for an unknown ``interpolation``."""
 
     size: int
     scale: tuple[float, float] = (0.08, 1.0)  # crop area, as a fraction of the image
@@ -228,11 +234,10 @@ class Draw(NamedTuple):
 class TrainImages(Dataset):
     """``(sample, label)`` for training, made in a DataLoader worker (wrap in PerSampleSeeded).
 
-    ``images`` gives each sample's encoded bytes, size and label: :class:`PathImages`, a saved file
-    list (:class:`common.data.file_index.IndexedFiles`) or shards (:class:`common.data.shards.ShardImages`);
-    the draws depend on the sample's index and size alone, so every source gives the same batches.
-    With ``decode=cpu`` the sample is ``{"image": uint8 [3, S, S]}`` (plus ``"jitter"``); with
-    ``decode=gpu`` it is the file's bytes and the draws, for :class:`DeviceTrainInput`.
+    - ``images``: :class:`PathImages`, ``IndexedFiles`` or ``ShardImages``; the draws depend on the
+      sample's index and size alone, so every source gives the same batches.
+    - ``decode=cpu``: the sample is ``{"image": uint8 [3, S, S]}`` (plus ``"jitter"``); ``decode=gpu``:
+      the file's bytes and the draws, for :class:`DeviceTrainInput`.
     """
 
     def __init__(self, images: Dataset, augmentation: TrainAugmentation, decode: Decode,
@@ -298,8 +303,7 @@ class TrainImages(Dataset):
 
 
 class ResizedImages(Dataset):
-    """``(uint8 [3, S, S], label)``: whole images resized to ``size`` x ``size`` (evaluation), from
-    any source :class:`TrainImages` takes."""
+    """``(uint8 [3, S, S], label)``: whole images resized to ``size`` x ``size`` for evaluation, from any source."""
 
     def __init__(self, images: Dataset, size: int, draft_decode: bool = True) -> None:
         self.images = images
@@ -320,12 +324,11 @@ class ResizedImages(Dataset):
 
 
 class PackedFiles(dict):
-    """A ``data.decode=gpu`` batch: every sample's file bytes end to end in ``data``, each one's
-    length in ``length``, the rest per sample."""
+    """A ``data.decode=gpu`` batch: all file bytes end to end in ``data``, their lengths in ``length``."""
 
     def split_samples(self, size: int) -> list[PackedFiles]:
-        """Micro-batches of ``size`` samples (``common.steps.split_micro_batch``)."""
-        from common.steps import split_micro_batch
+        """Micro-batches of ``size`` samples (``common.data.loaders.split_micro_batch``)."""
+        from common.data.loaders import split_micro_batch
 
         lengths = self["length"].split(size)
         data = self["data"].split([int(piece.sum()) for piece in lengths])  # host tensors: no device sync
@@ -335,8 +338,7 @@ class PackedFiles(dict):
 
 
 def collate_train(batch: list[tuple[dict[str, Any], Any]]) -> tuple[dict[str, Any], Any]:
-    """Stack a batch of :class:`TrainImages` samples. File bytes of different lengths are joined
-    into one tensor (one shared-memory block per batch instead of one per file)."""
+    """Stack a batch of :class:`TrainImages` samples; file bytes are joined into one tensor (one shared block)."""
     samples, labels = zip(*batch)
     if "data" not in samples[0]:
         return default_collate(list(samples)), default_collate(list(labels))
@@ -363,9 +365,12 @@ def gpu_decode_unsupported(augmentation: TrainAugmentation) -> str | None:
 
 
 class DeviceTrainInput:
-    """A batch of :class:`TrainImages` samples to the model's input, on the device: decoding,
-    crop, flip and the per-sample policy (``decode=gpu``), then colour jitter, normalisation and
-    ``batch_augmentation`` (e.g. random erasing) on the whole batch."""
+    """A batch of :class:`TrainImages` samples to the model's input, on the device.
+
+    - ``decode=gpu``: decoding, crop, flip and the per-sample policy here; then for both colour jitter,
+      normalisation (``mean``, ``std``) and ``batch_augmentation`` (e.g. random erasing) on the batch.
+    - ``decode`` must be resolved (not ``auto``: ``ValueError``).
+    """
 
     def __init__(self, augmentation: TrainAugmentation, decode: Decode, mean: Sequence[float],
                  std: Sequence[float], device: torch.device,
@@ -389,8 +394,7 @@ class DeviceTrainInput:
             self.device_policy = batch_policy(augmentation.per_sample)
 
     def check_the_decoder(self) -> None:
-        """Decode a tiny JPEG on the device once: a torchvision without a device decoder is one
-        line at start-up, not a CPU decode of every image in the training process."""
+        """Decode a tiny JPEG once: a torchvision without a device decoder fails at start-up with one line."""
         jpeg = io.BytesIO()
         Image.new("RGB", (8, 8)).save(jpeg, "JPEG")
         try:
@@ -436,8 +440,7 @@ class DeviceTrainInput:
         return crops
 
     def decode_jpegs(self, pieces: list[torch.Tensor], paths: list[str]) -> list[torch.Tensor]:
-        """Decode a batch on the device at once; if that fails, one at a time, so that a file the
-        device decoder refuses is decoded on the CPU, and one nothing decodes is named."""
+        """Decode a batch on the device; on failure one at a time: refused files on the CPU, undecodable ones named."""
         if not pieces:
             return []
         try:
@@ -453,13 +456,13 @@ class DeviceTrainInput:
             return torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)
 
     def decode_on_device(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Decode on the device, safe on every torchvision. nvjpeg decodes on a stream of its own
-        that does not wait for work queued on the caller's stream, into memory the caching allocator
-        may just have taken back from that work (pytorch/vision#9606: gradients overwritten). So it
-        decodes inside a side stream that first waits for the training stream, whose pool holds only
-        decoded images, each marked as used on the training stream; no host sync. torchvision 0.29
-        deprecates these decoders (#9622): one without them makes ``data.decode=gpu`` a one-line
-        error at start-up; TorchCodec, their successor, must keep this stream rule."""
+        """Decode on the device, safe on every torchvision; no host sync.
+
+        - Why a side stream: nvjpeg decodes on its own stream without waiting for work queued on ours,
+          into memory the allocator may have just taken back from it (pytorch/vision#9606: gradients
+          overwritten). The side stream waits for the training stream; each image is marked as used there.
+        - torchvision 0.29 deprecates these decoders (#9622); TorchCodec, their successor, must keep this rule.
+        """
         with warnings.catch_warnings():  # torchvision 0.29 deprecates its decoders for TorchCodec's
             warnings.simplefilter("ignore", DeprecationWarning)
             if self.decode_stream is None:
@@ -474,16 +477,14 @@ class DeviceTrainInput:
         return images
 
     def resized_crops(self, images: list[torch.Tensor], boxes: torch.Tensor) -> torch.Tensor:
-        """float ``[B, 3, S, S]``: each image's box resized with ``roi_align`` (bilinear samples,
-        averaged over each output pixel's footprint when shrinking). Each image is cut to its box
-        in uint8 before the float conversion, with a pixel of margin, all its bilinear samples
-        read: a whole 12-megapixel photo in float32 is 146 MB. The boxes reach the device in one copy.
+        """float ``[B, 3, S, S]``: each image's box resized with ``roi_align`` (bilinear, averaged when shrinking).
 
-        The kernel is called directly: under ``torch.use_deterministic_algorithms`` on CUDA,
-        ``torchvision.ops.roi_align`` runs a Python version instead (for a deterministic backward,
-        which crops need not), compiled with ``torch.compile`` in the first training step and host
-        syncing, or eager with a ``[K, 3, S, S, H, W]`` intermediate. The kernel's forward is
-        deterministic."""
+        - Each image is cut to its box (plus a pixel of margin) in uint8 before the float conversion: a
+          whole 12-megapixel photo in float32 is 146 MB. The boxes reach the device in one copy.
+        - The kernel is called directly: under ``torch.use_deterministic_algorithms`` on CUDA,
+          ``torchvision.ops.roi_align`` swaps in a Python version (compiled in the first step and host
+          syncing, or eager with a ``[K, 3, S, S, H, W]`` intermediate); the kernel's forward is deterministic.
+        """
         regions, rois = [], []
         for image, (top, left, height, width) in zip(images, boxes.tolist()):
             first_row, first_col = max(0, math.floor(top) - 1), max(0, math.floor(left) - 1)

@@ -1,12 +1,9 @@
-"""Data helpers shared by recipes whose input pipeline runs in DataLoader workers.
+"""DataLoader set-up for recipes whose input pipeline runs in workers, kept exact across resumes.
 
-Random augmentation inside DataLoader workers normally depends on the worker seeds, which
-PyTorch draws when an iterator is created. A run that resumes mid-epoch creates its iterator
-at a different moment, so its augmentations (and its final weights) would differ from an
-uninterrupted run. :class:`PerSampleSeeded` makes each sample's randomness a function of
-``(seed, epoch, index)`` only, which keeps resume bit-exact whatever the worker count.
-A stop signal sent to a rank's whole process group is left to the rank
-(:func:`leave_stop_signals_to_the_rank`).
+- :class:`PerSampleSeeded`: each sample's randomness depends on ``(seed, epoch, index)`` only, not on
+  the worker seeds PyTorch draws when an iterator is made (a resumed run makes it at another moment).
+- :func:`leave_stop_signals_to_the_rank`: a stop signal sent to the whole process group is the rank's.
+- :func:`split_micro_batch`: a batch cut into micro-batches.
 """
 
 from __future__ import annotations
@@ -27,9 +24,9 @@ from common.pytorch.rng import seeded_global_rng
 class PerSampleSeeded(Dataset):
     """Wraps a dataset whose ``__getitem__`` uses Python, NumPy or torch global randomness.
 
-    Expects ``(epoch, index)`` keys, as yielded by ``ResumableDistributedSampler(yield_epoch=True)``.
-    The global generators are restored afterwards, so using it without workers does not
-    disturb the training process's own random stream.
+    - Keys: ``(epoch, index)``, as ``ResumableDistributedSampler(yield_epoch=True)`` yields them.
+    - The global generators are restored after each sample: without workers, the training
+      process's own random stream is undisturbed.
     """
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
@@ -46,9 +43,10 @@ class PerSampleSeeded(Dataset):
 
 
 def cpu_cores_per_rank() -> int:
-    """The CPU cores this process may use (its affinity mask, capped by SLURM_CPUS_PER_TASK), shared
-    with the other ranks torchrun started on this node (LOCAL_WORLD_SIZE); at least 1. Under
-    ``srun`` with one task per rank each task has its own cores, and LOCAL_WORLD_SIZE is unset."""
+    """The CPU cores this rank may use for its workers; at least 1.
+
+    Its affinity mask, capped by ``SLURM_CPUS_PER_TASK``, divided among the ``LOCAL_WORLD_SIZE`` ranks torchrun
+    started on the node (unset under ``srun``, where each task has its own cores)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
         cores = min(cores, int(os.environ["SLURM_CPUS_PER_TASK"]))
@@ -58,12 +56,11 @@ def cpu_cores_per_rank() -> int:
 def leave_stop_signals_to_the_rank(worker_id: int) -> None:
     """A DataLoader worker's ``worker_init_fn``: SIGTERM and SIGUSR1 are its rank's to act on.
 
-    torchrun forwards a stop signal to each rank's whole process group, and SLURM signals every
-    process of a job step. PyTorch's SIGTERM handler in a worker exits quietly only when the
-    worker's parent sent it and otherwise dies of it, so the rank failed with "DataLoader worker
-    exited unexpectedly" instead of writing its stop checkpoint (exit 1, not 75: no requeue).
-    Here both signals wait in a thread of the worker: SIGUSR1 is dropped, and SIGTERM ends the
-    worker only when its parent sent it (the loader shutting it down, as PyTorch's handler does).
+    - Why: torchrun and SLURM signal every process of a rank, and PyTorch's handler killed a worker on
+      a SIGTERM its parent did not send, so the rank failed ("DataLoader worker exited unexpectedly",
+      exit 1, no requeue) instead of writing its stop checkpoint (exit 75).
+    - Now a thread of the worker waits for both: SIGUSR1 is dropped, SIGTERM ends the worker only when
+      its parent (the loader shutting down) sent it. A no-op where ``signal.sigwaitinfo`` is missing (macOS).
     """
     if not hasattr(signal, "sigwaitinfo"):  # macOS: PyTorch's own handling stays
         return
@@ -89,14 +86,13 @@ def make_loader(
     drop_last: bool = False,
     generator: torch.Generator | None = None,
 ) -> DataLoader:
-    """A DataLoader over a resumable sampler with the settings that keep a GPU fed, read one epoch
-    per iterator (an evaluation's).
+    """A DataLoader over a resumable sampler, one epoch per iterator (an evaluation's), set to keep a GPU fed.
 
-    - ``num_workers=-1`` (``trainer.num_workers``' default) starts one worker per CPU core this
-      rank gets (:func:`cpu_cores_per_rank`).
-    - ``generator``: pass one of its own when training uses the global torch RNG (dropout): a new
-      DataLoader iterator draws its workers' base seed from it, and a resumed run creates its
-      iterator at a different step than the uninterrupted run did."""
+    - ``num_workers=-1`` (``trainer.num_workers``' default): one worker per core this rank gets
+      (:func:`cpu_cores_per_rank`).
+    - ``generator``: give it its own when training uses the global torch RNG (dropout): each new
+      iterator draws its workers' seed from it, and a resumed run makes its iterator at another step.
+    """
     return _loader(dataset, num_workers, pin_memory, collate_fn, generator, sampler=sampler, batch_size=batch_size,
                    drop_last=drop_last)
 
@@ -109,10 +105,12 @@ def make_train_loader(
     collate_fn: Callable | None = None,
     generator: torch.Generator | None = None,
 ) -> DataLoader:
-    """A training DataLoader whose batches are ``batches``' lists of sampler keys: a plan's
-    :class:`~common.steps.EpochBatches`, which runs on past an epoch's end, so that one iterator
-    serves the whole run and its workers prepare the next epoch's first batches before this one
-    ends. The other arguments are :func:`make_loader`'s."""
+    """A training DataLoader whose one iterator serves the whole run.
+
+    - ``batches``: lists of sampler keys, a plan's :class:`~common.run.steps.EpochBatches`, which runs on
+      past an epoch's end so workers prepare the next epoch's first batches early.
+    - Other arguments: :func:`make_loader`'s.
+    """
     return _loader(dataset, num_workers, pin_memory, collate_fn, generator, batch_sampler=batches)
 
 
@@ -131,3 +129,22 @@ def _loader(dataset: Dataset, num_workers: int, pin_memory: bool, collate_fn: Ca
         worker_init_fn=leave_stop_signals_to_the_rank if num_workers > 0 else None,
         **batching,
     )
+
+
+def split_micro_batch(batch: Any, size: int) -> list[Any]:
+    """``batch`` cut along its first dimension into pieces of ``size`` samples, the last one shorter.
+
+    Takes tensors and tuples, lists and dicts of them; an object with ``split_samples(size)`` cuts itself (packed
+    file bytes). Raises ``TypeError`` for anything else."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(size))
+    if hasattr(batch, "split_samples"):
+        return batch.split_samples(size)
+    if isinstance(batch, tuple):
+        return [tuple(fields) for fields in zip(*(split_micro_batch(field, size) for field in batch))]
+    if isinstance(batch, dict):
+        pieces = {key: split_micro_batch(value, size) for key, value in batch.items()}
+        return [type(batch)(zip(pieces, values)) for values in zip(*pieces.values())]
+    if isinstance(batch, list):  # one entry per sample (file paths)
+        return [batch[start : start + size] for start in range(0, len(batch), size)]
+    raise TypeError(f"cannot cut a {type(batch).__name__} into micro-batches")

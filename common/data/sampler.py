@@ -1,13 +1,11 @@
 """A distributed sampler that can stop anywhere and resume exactly, on any number of ranks.
 
-Each epoch has one global order drawn from ``(seed, epoch)``, the same on every rank, and rank
-``r`` of ``W`` takes positions ``r, r+W, ...``: progress is one number, ``consumed``, so a job that
-comes back on another number of ranks splits the rest of the epoch among them, nothing skipped or
-repeated. ``drop_last=True`` (training) gives every rank as many samples (the last
-``remaining % W`` positions wait for the next epoch); ``drop_last=False`` (evaluation) uses every
-sample exactly once, with no padding, so metrics summed over ranks are exact. With
-``yield_epoch=True`` it yields ``(epoch, index)`` pairs for
-:class:`common.data.loaders.PerSampleSeeded`, so augmentations do not depend on the workers.
+- Each epoch has one global order drawn from ``(seed, epoch)``; rank ``r`` of ``W`` takes positions
+  ``r, r+W, ...``. Progress is one number, ``consumed``, so a job back on another number of ranks
+  splits the rest of the epoch among them, nothing skipped or repeated.
+- ``drop_last=True`` (training): every rank gets as many samples; the last ``remaining % W`` wait.
+- ``drop_last=False`` (evaluation): every sample exactly once, no padding, so summed metrics are exact.
+- ``yield_epoch=True``: yields ``(epoch, index)`` pairs for :class:`common.data.loaders.PerSampleSeeded`.
 """
 
 from __future__ import annotations
@@ -20,6 +18,10 @@ from torch.utils.data import Sampler
 
 
 class ResumableDistributedSampler(Sampler):
+    """Rank ``rank`` of ``world_size``'s share of ``num_samples`` indices (see the module).
+
+    Raises ``ValueError`` for an empty dataset or a rank outside the world."""
+
     def __init__(
         self,
         num_samples: int,
@@ -71,8 +73,7 @@ class ResumableDistributedSampler(Sampler):
         return self.num_samples // self.world_size
 
     def keys(self, epoch: int, consumed: int = 0) -> list[Any]:
-        """This rank's samples of ``epoch`` from position ``consumed`` on, as the sampler yields them
-        (indices, or ``(epoch, index)`` pairs); any epoch, without moving the sampler."""
+        """This rank's keys of any ``epoch`` from position ``consumed`` on, without moving the sampler."""
         order = self.global_order(epoch)[consumed:]
         mine = order[self.rank :: self.world_size][: self.remaining(consumed)].tolist()
         return [(epoch, index) for index in mine] if self.yield_epoch else mine
@@ -81,9 +82,9 @@ class ResumableDistributedSampler(Sampler):
         return iter(self.keys(self.epoch, self.consumed))
 
     def index_batches(self, batch_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
-        """This rank's remaining indices of the epoch as tensors of ``batch_size`` on ``device`` (the
-        last may be shorter), for recipes that index tensors in memory. Empty when the epoch is
-        done, as it is after resuming from a checkpoint taken on an epoch's last step."""
+        """This rank's remaining indices as tensors of ``batch_size`` on ``device``, for in-memory datasets.
+
+        The last may be shorter; empty when the epoch is done (a resume from an epoch's last step)."""
         indices = list(self)
         if not indices:
             return ()
@@ -103,7 +104,9 @@ class ResumableDistributedSampler(Sampler):
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue where the saved run stopped; the saved world size may differ from this one."""
+        """Continue where the saved run stopped, on any world size.
+
+        Raises ``ValueError`` when the dataset size or the seed differ from the saved ones."""
         if state["num_samples"] != self.num_samples:
             raise ValueError(
                 f"the checkpoint was taken on a dataset of {state['num_samples']} samples, "

@@ -1,27 +1,20 @@
-"""Sharded datasets: a split as a few hundred files of about 256 MB, written and read with litdata.
+"""Sharded datasets: a split as a few hundred chunk files (:data:`CHUNK_BYTES` each), written and read with litdata.
 
-A cluster's shared filesystem (Lustre, NFS) or an object store serves a few large files far
-better than a million small ones: its metadata servers, not its bandwidth, limit an ImageNet run
-that opens one file per image. ``make prep-<recipe> FORMAT=shards`` writes each split's saved
-file list (:mod:`common.data.file_index`) as litdata chunks, in the list's order: sample ``i``
-holds entry ``i``'s encoded bytes (never re-encoded, so decoding, DCT scaling and nvjpeg see the
-file itself), its size, nvjpeg flag, label and name. What the set was made from (recipe, split,
-class names, the list's checksum) is written into its ``index.json`` under ``"recipes"``.
+Why: a shared filesystem (Lustre, NFS) or an object store serves a few large files far better than a
+million small ones; its metadata servers limit a run that opens one file per image.
 
-Training reads a sample by its index (:class:`ShardImages`, a map-style dataset): the resumable
-sampler decides the order and ``PerSampleSeeded`` the draws, exactly as with loose files, so a run
-gives the same batches from either and resumes exactly. From a local folder litdata reads the
-chunks in place. From a remote (``s3://``, ``gs://``, ``local:/path`` or ``file:///path``) it
-downloads whole chunks into a node-local cache (``data.shards.cache_dir``) shared by the node's
-ranks and workers, and keeps them while the cache stays under ``data.shards.cache_limit``. The
-sampler's order is a global permutation, so any chunk is needed again within a few batches: a
-limit below the set's size means chunks are fetched again and again (the start says so).
-
-Why litdata and not Mosaic's ``streaming`` (MDS), the other library made for this: both read by
-index and cache chunks from a remote, but ``mosaicml-streaming`` 0.13 pins numpy<2.2 and
-transformers<5, which this project and its GPU machines are past; litdata needs only torch,
-numpy and a few small packages. webdataset and timm's ``reader_wds.py`` read shards in order and
-cannot give the sampler's order, which exact resume needs.
+- Writing: ``make prep-<recipe> FORMAT=shards`` stores a split's saved file list
+  (:mod:`common.data.file_index`) in its order; sample ``i`` holds entry ``i``'s bytes as they are
+  (never re-encoded), size, nvjpeg flag, label and name. ``index.json`` says under ``"recipes"`` what
+  the set was made from (recipe, split, classes, the list's checksum).
+- Reading: by index (:class:`ShardImages`), so the resumable sampler keeps the order and a run gives
+  the same batches from shards or loose files, and resumes exactly.
+- A local folder is read in place; a remote (``s3://``, ``gs://``, ``local:/path``, ``file:///path``)
+  goes through a node-local cache (``data.shards.cache_dir``) bounded by ``data.shards.cache_limit``.
+  The order is a global permutation, so a limit below the set's size refetches chunks (the start says so).
+- Why litdata: Mosaic ``streaming`` 0.13 pins numpy<2.2 and transformers<5, which this project is past;
+  webdataset and timm's ``reader_wds.py`` read in order and cannot follow the sampler, which exact
+  resume needs.
 """
 
 from __future__ import annotations
@@ -89,9 +82,11 @@ def _sample(entry: tuple) -> dict[str, Any]:
 
 def write_shards(index: FileIndex, root: Path, out: Path, metadata: dict[str, Any], workers: int,
                  chunk_bytes: str = CHUNK_BYTES) -> int:
-    """Write the files of ``index`` (names relative to ``root``) as shards in ``out``, in the list's
-    order, with ``metadata`` in the set's ``index.json``; returns the number of chunk files. Written
-    next to ``out`` and swapped in at the end: a failed write leaves the old set as it was."""
+    """Write the files of ``index`` (names relative to ``root``) as shards in ``out``, in the list's order.
+
+    - ``metadata``: stored in the set's ``index.json``. Returns the number of chunk files.
+    - Written beside ``out`` and swapped in at the end: a failed write leaves the old set as it was.
+    """
     from litdata import optimize
 
     labels = index.labels.tolist()
@@ -136,11 +131,12 @@ def check_order(folder: Path, count: int) -> None:
 class ShardImages(Dataset):
     """The samples of a shard set by index, as :class:`common.data.images.TrainImages` takes them.
 
-    Opened once where it is made (the set checked: its ``index.json``, the recipe and split it was
-    written for, and, where the chunks are on this machine, every chunk file's size); each
-    DataLoader worker opens litdata's reader again on its first sample. ``expect`` are metadata
-    values the set must have (another dataset's set stops the run); ``label_columns`` picks
-    columns of ``[K]`` labels; ``fix`` is the command that writes the set."""
+    - Checked when made: ``index.json``, the ``expect``-ed metadata (recipe, split...), and where the
+      chunks are local, every chunk's size. Raises ``UserError`` naming ``fix`` (the command that
+      writes the set) on any mismatch.
+    - ``label_columns``: the columns of ``[K]`` labels to return.
+    - Each DataLoader worker opens litdata's reader again on its first sample.
+    """
 
     def __init__(self, location: str, cache_dir: str, cache_limit: str, expect: dict[str, Any], fix: str,
                  label_columns: Sequence[int] | None = None) -> None:

@@ -1,10 +1,8 @@
-"""Copy a dataset to node-local disk before training (optional in the recipes that read many files).
+"""Copy a dataset to node-local disk before training: many small files on a network file system are slow.
 
-Reading a million small JPEGs from a network file system is often what limits an ImageNet run.
-On each node, local rank 0 copies the data folder to a node-local directory (``$TMPDIR`` on most
-SLURM clusters) while the other local ranks wait; a completion marker makes a restarted job on
-the same node reuse the copy instead of copying again. Symlinks are followed, so a prepared
-tree of links to the original files becomes real files.
+- Local rank 0 copies the folder (into ``$TMPDIR`` on most SLURM clusters) while the node's other ranks wait.
+- A completion marker lets a restarted job on the same node reuse the copy.
+- Symlinks are followed: a prepared tree of links becomes real files.
 """
 
 from __future__ import annotations
@@ -28,7 +26,9 @@ def _staged_path(source: Path, stage_root: Path) -> Path:
 
 def stage_directory(source: str | Path, stage_root: str | Path, local_rank: int,
                     poll_seconds: float = 1.0) -> Path:
-    """Copy ``source`` under ``stage_root`` once per node and return the copy (collective)."""
+    """Copy ``source`` under ``stage_root`` once per node and return the copy.
+
+    Collective (a barrier at the end); raises ``UserError`` when ``source`` is no folder or the copy fails."""
     source, stage_root = Path(source), Path(stage_root)
     if not source.is_dir():
         raise UserError(f"cannot stage {source}: it is not a directory")

@@ -1,2 +1,1 @@
-"""The PyTorch basics every recipe needs: process groups, exact metric reduction, optimizer and
-precision settings, random streams, determinism, pretrained weight files (README "Layout")."""
+"""The PyTorch basics every recipe needs: process groups, metrics, optimizers, precision, RNG, weights."""

@@ -2,24 +2,17 @@
 
 Every recipe calls :func:`checkpoint_blocks` on its model (tv_segmentation on its backbone) before
 FSDP2, DDP and ``torch.compile`` wrap it. The unit is a *block*, a model's repeated residual unit
-(a transformer layer, a ResNet bottleneck, an EfficientNet or MobileNet block), found by
-:func:`residual_blocks` as timm's ``set_grad_checkpointing`` and torchtitan checkpoint them:
+(transformer layer, ResNet bottleneck, EfficientNet or MobileNet block), as timm and torchtitan use.
 
-* ``blocks``: each block keeps only its input; everything inside it is computed again in the
-  backward pass (about one more forward per step, the most memory saved);
-* ``selective`` (transformer blocks: ViT, BEiT, DINOv2): the outputs of the expensive operators
-  inside a block (matrix products, attention) are kept and the cheap ones (normalisation,
-  activations, dropout, element-wise arithmetic) computed again, as torchtitan's per-operator
-  policy does: less memory saved than ``blocks``, for little extra compute. Convolutional blocks
-  have no such choice (their convolutions' outputs are often changed in place, which a kept
-  output cannot be), so it is refused for them.
-
-The blocks' forwards are replaced in place, so parameter names, checkpoints and exports do not
-change, and a ``copy.deepcopy`` of the model (an EMA) computes with its own weights. The
-recomputation draws the same random numbers as the forward (dropout, drop path: PyTorch keeps
-the generator states), and BatchNorm inside a block does not update its running statistics a
-second time while it is recomputed (eagerly; a compiled graph updates them once anyway), so
-gradients and buffers are those of a run without it.
+- ``blocks``: each block keeps only its input and recomputes the rest in the backward pass (about one
+  more forward per step, the most memory saved).
+- ``selective`` (transformer blocks only): keeps the outputs of matrix products and attention and
+  recomputes the cheap operators, as torchtitan's per-operator policy does. Refused for convolutional
+  blocks: their convolutions' outputs are often changed in place, which a kept output cannot be.
+- Forwards are replaced in place: parameter names, checkpoints and exports are unchanged, and a
+  ``copy.deepcopy`` (an EMA) computes with its own weights.
+- Gradients and buffers equal a run without it: the recomputation draws the same random numbers, and
+  BatchNorm does not update its running statistics twice (eagerly; a compiled graph updates them once).
 """
 
 from __future__ import annotations
@@ -51,9 +44,11 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def residual_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks: the modules with parameters of their own kind held in its containers
-    (``Sequential``, ``ModuleList``, ``ModuleDict``, nested ones walked through), outermost first;
-    a single layer held in a container (a stem's convolution) is not a block."""
+    """The model's blocks, outermost first: multi-layer modules held in its containers.
+
+    - Containers: ``Sequential``, ``ModuleList``, ``ModuleDict``, nested ones walked through.
+    - A single layer in a container (a stem's convolution) is not a block.
+    """
     found: list[nn.Module] = []
 
     def walk(module: nn.Module) -> None:
@@ -80,9 +75,7 @@ def _kept_or_recomputed(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpo
 
 @contextlib.contextmanager
 def _running_statistics_frozen(block: nn.Module) -> Iterator[None]:
-    """While a block is recomputed, its BatchNorm layers normalise with the batch's statistics as in
-    the forward pass (saving the same tensors for the backward) but move their running statistics
-    by nothing (momentum 0) and give back the batch they count."""
+    """While a block is recomputed, its BatchNorm layers leave their running statistics and counts alone."""
     norms = [module for module in block.modules() if isinstance(module, _BatchNorm) and module.track_running_stats]
     kept = [(norm.momentum, norm.num_batches_tracked.clone()) for norm in norms]
     for norm in norms:
@@ -109,8 +102,7 @@ def _contexts(block: nn.Module, selective: bool) -> tuple[contextlib.AbstractCon
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """A block's forward with its activations recomputed in the backward pass (bound to the block,
-    so a deep copy of the model binds it to the copy)."""
+    """A block's forward with recomputed activations; bound to the block, so a deep copy binds it to the copy."""
     forward = type(self).forward.__get__(self)
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
@@ -125,8 +117,11 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def checkpoint_blocks(model: nn.Module, mode: ActivationCheckpointing | str, what: str = "the model") -> int:
-    """Recompute the activations of ``model``'s blocks (:func:`residual_blocks`) in the backward pass
-    by ``mode``; the number of blocks. A model without blocks is a one-line error (``what`` names it)."""
+    """Recompute the activations of ``model``'s blocks (:func:`residual_blocks`) in the backward pass.
+
+    - ``mode``: ``none``, ``blocks`` or ``selective``. Returns the number of blocks checkpointed.
+    - Raises ``UserError`` (naming ``what``) for a model without blocks, or ``selective`` on convolutional ones.
+    """
     mode = ActivationCheckpointing(mode)
     if mode == ActivationCheckpointing.none:
         return 0

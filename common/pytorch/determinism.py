@@ -1,13 +1,10 @@
 """``trainer.deterministic``: bit-identical runs on a GPU, or the fast defaults when not asked for.
 
-On the CPU every recipe is deterministic as it is. On CUDA, cuDNN picks convolution algorithms
-by timing them (``cudnn.benchmark``) and several kernels accumulate with atomics (cuDNN weight
-gradients, bilinear ``interpolate`` backward, scatter-adds), so two runs of the same config
-differ in the last bits and a resumed run only matches an uninterrupted one statistically.
-``deterministic=true`` makes PyTorch use deterministic kernels (or fail loudly where it has
-none), turns autotuning off and gives cuBLAS the fixed workspace it needs; a resumed run then
-ends with the same ``model_digest`` as an uninterrupted one on the same GPU model and software.
-Otherwise, on CUDA, fp32 matrix products use TF32 tensor cores and cuDNN autotunes.
+- The CPU is deterministic as it is. On CUDA, cuDNN autotuning and atomic accumulation (cuDNN weight
+  gradients, bilinear ``interpolate`` backward, scatter-adds) make runs differ in the last bits.
+- ``true``: deterministic kernels (or a loud failure where none exists), no autotuning, cuBLAS's fixed
+  workspace; a resumed run ends with the same ``model_digest`` on the same GPU model and software.
+- ``false`` on CUDA: TF32 fp32 matmuls and cuDNN autotuning.
 """
 
 from __future__ import annotations
@@ -23,14 +20,15 @@ CUBLAS_WORKSPACE = ":4096:8"
 
 
 def configure_determinism(deterministic: bool, device_preference: str) -> None:
-    """Set PyTorch's determinism and speed switches for this process. Call it first in ``main``,
-    before CUDA starts (``init_distributed``), so that cuBLAS sees its workspace setting."""
+    """Set PyTorch's determinism and speed switches for this process.
+
+    Call it first in ``main``, before CUDA starts (``init_distributed``): cuBLAS reads its workspace then."""
     fast_cuda = not deterministic and wants_cuda(device_preference)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     if torch.are_deterministic_algorithms_enabled() != deterministic:
-        # Only when it changes: the setter imports Inductor for its own flag (over a second), which a
-        # run that stops on a bad input before its first optimizer step would wait for in vain.
+        # Only when it changes: the setter imports Inductor for its own flag (slow: benchmarks/RESULTS.md,
+        # issue 36), which a run that stops on a bad input before its first step would wait for in vain.
         torch.use_deterministic_algorithms(deterministic)
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = fast_cuda

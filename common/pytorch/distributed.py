@@ -1,9 +1,9 @@
 """Process-group set-up from torchrun's variables, SLURM's, or neither (one process).
 
-torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT. ``srun python -m ...``
-without torchrun sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID instead; the master is the
-first node of the allocation and the port is derived from the job id so that two jobs on
-one node do not collide. With neither, the run is a single process and no group is made.
+- torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+- ``srun`` without torchrun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master is the allocation's
+  first node and the port comes from the job id, so two jobs on one node do not collide.
+- Neither: a single process, no group.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ _timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)  # the process group's: group
 
 @dataclass(frozen=True)
 class DistInfo:
+    """Where this process stands: its rank, the world, its device and how it was launched."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -55,8 +57,7 @@ def _scontrol(*args: str) -> str:
 
 
 def _slurm_master_addr() -> str:
-    """The job's first node, by the address SLURM itself reaches it at (its NodeAddr): a node's
-    name may resolve on some nodes only, or to another interface than the one SLURM uses."""
+    """The job's first node by its NodeAddr: its name may not resolve everywhere, or to SLURM's interface."""
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
     if nodelist:
         hosts = _scontrol("show", "hostnames", nodelist).split()
@@ -97,8 +98,10 @@ def wants_cuda(preference: str) -> bool:
 
 
 def _gpu_index(local_rank: int, launcher: str) -> int:
-    """This process's GPU on its node. More processes on a node than GPUs is a user error said in
-    one line (two ranks on one GPU make NCCL fail with "Duplicate GPU detected")."""
+    """This process's GPU on its node; ``UserError`` when a node has more processes than GPUs.
+
+    (Two ranks on one GPU would make NCCL fail with "Duplicate GPU detected".)
+    """
     gpus = torch.cuda.device_count()
     if launcher == "slurm" and gpus == 1:
         return 0  # srun --gpus-per-task=1: each task sees its own GPU as device 0
@@ -110,7 +113,9 @@ def _gpu_index(local_rank: int, launcher: str) -> int:
 
 
 def resolve_device(preference: str, local_rank: int = 0, launcher: str = "single") -> torch.device:
-    """``auto`` picks CUDA when present, else CPU; ``cuda`` without a GPU is a user error."""
+    """This process's device for ``device=preference``; sets the current CUDA device.
+
+    ``auto``: CUDA when present, else CPU. Raises ``UserError`` for ``cuda`` without a GPU or an unknown value."""
     if preference not in ("auto", "cpu", "cuda"):
         raise UserError(f"device must be auto, cpu or cuda, not {preference!r}")
     if preference == "cuda" and not torch.cuda.is_available():
@@ -123,8 +128,7 @@ def resolve_device(preference: str, local_rank: int = 0, launcher: str = "single
 
 
 def process_group_backend(device: torch.device, cpu_collectives: bool = False) -> str:
-    """gloo on the CPU; nccl on CUDA, with gloo beside it for collectives on host tensors
-    (``cpu_collectives``: e.g. gradient clipping over CPU-offloaded FSDP shards)."""
+    """gloo on the CPU; nccl on CUDA, plus gloo with ``cpu_collectives`` (host tensors: offloaded FSDP shards)."""
     if device.type != "cuda":
         return "gloo"
     return "cpu:gloo,cuda:nccl" if cpu_collectives else "nccl"
@@ -135,10 +139,11 @@ NCCL_TRACE_PREFIX = "nccl_trace_rank_"
 
 
 def _enable_flight_recorder(hang_dir: Path) -> None:
-    """Before an NCCL group is made: keep each rank's recent collectives (NCCL's flight recorder)
-    and, when one times out, dump them to ``hang_dir/nccl_trace_rank_<N>`` before NCCL aborts the
-    process. ``python -m torch.distributed.flight_recorder.fr_trace <hang_dir> --prefix
-    nccl_trace_rank_`` then says which collective each rank was in. Variables already set win."""
+    """Turn on NCCL's flight recorder, dumping to ``hang_dir/nccl_trace_rank_<N>`` on a timeout.
+
+    - Call before an NCCL group is made; variables already set win.
+    - Read with ``python -m torch.distributed.flight_recorder.fr_trace <hang_dir> --prefix nccl_trace_rank_``.
+    """
     hang_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
@@ -148,12 +153,13 @@ def _enable_flight_recorder(hang_dir: Path) -> None:
 def init_distributed(device_preference: str = "auto", timeout_s: float = COLLECTIVE_TIMEOUT_S,
                      cpu_collectives: bool = False, group_of_one: bool = False,
                      hang_dir: Path | None = None) -> DistInfo:
-    """Join the process group if launched with several processes (see :func:`process_group_backend`).
+    """Join the process group when launched with several processes; this process's :class:`DistInfo`.
 
-    A collective that waits longer than ``timeout_s`` fails (``trainer.collective_timeout_s``; see
-    ``common/heartbeat.py``); with ``hang_dir`` an NCCL group records its collectives for that case
-    (:func:`_enable_flight_recorder`). ``group_of_one`` makes a group for a single process too, so
-    that code written for a group (FSDP2) runs on one GPU.
+    - ``timeout_s``: a collective waiting longer fails (``trainer.collective_timeout_s``; see
+      ``common/records/heartbeat.py``).
+    - ``cpu_collectives``: gloo beside nccl (:func:`process_group_backend`).
+    - ``group_of_one``: a group even for one process, so code written for a group (FSDP2) runs on one GPU.
+    - ``hang_dir``: where an NCCL group's flight recorder dumps (:func:`_enable_flight_recorder`).
     """
     global _joined_a_group, _timeout
     rank, world_size, local_rank, launcher = _launch_env()
@@ -177,8 +183,9 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = COLLECT
 
 
 def gloo_group() -> dist.ProcessGroup:
-    """A new gloo group of every rank, with the process group's timeout (``new_group``'s own
-    default is gloo's 30 minutes). Collective: every rank calls it."""
+    """A new gloo group of every rank, with the process group's timeout (not gloo's 30-minute default).
+
+    Collective: every rank calls it."""
     return dist.new_group(backend="gloo", timeout=_timeout)
 
 
@@ -196,19 +203,15 @@ def free_port() -> int:
 def shutdown_distributed() -> None:
     """Destroy every process group and free it while the interpreter still runs.
 
-    A gloo group's worker threads live until the group is freed, and a worker frees the tensors
-    of the collective it last ran a moment after the caller has moved on. If the process reaches
-    interpreter shutdown first, that worker needs the GIL, Python 3.11 ends the thread with
-    ``pthread_exit``, and the unwinding through PyTorch's C++ aborts the process (``terminate
-    called without an active exception``, exit -6) after a run that finished. So nothing may
-    keep a group alive past this call: ``torch.distributed.nn`` is imported with this module,
-    before any group exists, because its functions take ``group=group.WORLD`` as a default
-    argument evaluated at import (``torch.optim`` imports it through ``torch._dynamo``, which
-    would pin the default group for the life of the process); and the garbage collector runs
-    here, so a group held only by dead objects (a DDP model) is freed now, its workers joined,
-    rather than during shutdown. PyTorch itself still holds a group FSDP2 used (DTensor's caches
-    keep its device mesh), which is why a recipe process that joined a group ends without
-    interpreter shutdown (:func:`common.entry.exit_process`).
+    - Why: a gloo worker thread still freeing its last collective's tensors at interpreter shutdown
+      needs the GIL; Python 3.11 ends it with ``pthread_exit`` and the C++ unwinding aborts a finished
+      run (``terminate called without an active exception``, exit -6).
+    - So nothing may keep a group alive past this call: ``torch.distributed.nn`` is imported with this
+      module, before any group exists (its functions default to ``group=group.WORLD`` evaluated at import,
+      and ``torch.optim`` imports it via ``torch._dynamo``); and the garbage collector runs here, freeing
+      groups held only by dead objects (a DDP model).
+    - PyTorch still holds a group FSDP2 used (DTensor's caches keep its device mesh), so a process that
+      joined a group ends without interpreter shutdown (:func:`common.entry.exit_process`).
     """
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -238,10 +241,10 @@ def on_device(model: torch.nn.Module, device: torch.device, channels_last: bool)
 def data_parallel(model: torch.nn.Module, dist_info: DistInfo, out_of_memory: str = "stop") -> torch.nn.Module:
     """``model`` in DistributedDataParallel across the ranks (itself on one process).
 
-    With ``trainer.out_of_memory=halve`` a rank may redo a step alone (``common/out_of_memory.py``),
-    so its forward and backward passes must make no collective call: the model is then not wrapped
-    (rank 0's weights and buffers are broadcast once, as DDP does when it wraps it) and the run
-    reduces the gradients once the step's micro-batches are done (:func:`all_reduce_gradients`)."""
+    - ``out_of_memory="halve"``: a rank may redo a step alone (``common/run/out_of_memory.py``), so
+      forward and backward must make no collective: the model is not wrapped, rank 0's weights and
+      buffers are broadcast once, and the run calls :func:`all_reduce_gradients` after the step.
+    """
     if not dist_info.distributed:
         return model
     if out_of_memory == "halve":
@@ -257,8 +260,7 @@ _BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
 def all_reduce_gradients(model: torch.nn.Module) -> None:
-    """Average the gradients of ``model``'s parameters over the ranks, as DDP does in its backward
-    pass (each divided by the number of ranks, then summed), in buckets of about 25 MiB per dtype."""
+    """Average ``model``'s gradients over the ranks as DDP does (divide, then sum), bucketed per dtype."""
     world_size = dist.get_world_size()
     gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
     for dtype in sorted({gradient.dtype for gradient in gradients}, key=str):
@@ -275,8 +277,7 @@ def all_reduce_gradients(model: torch.nn.Module) -> None:
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """The backward of an accumulated micro-batch: DDP and FSDP2 reduce gradients across ranks only
-    on the step's last one (``sync``)."""
+    """The context for a micro-batch's backward: DDP and FSDP2 reduce gradients only when ``sync`` (the last one)."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
@@ -288,13 +289,11 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractCont
 
 
 def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
-    """Rank ``src``'s buffers (BatchNorm running statistics) on every rank, with one broadcast per dtype.
+    """Rank ``src``'s buffers (BatchNorm running statistics) on every rank, one broadcast per dtype.
 
-    DDP broadcasts rank 0's buffers at the start of each forward, but each rank's forward then
-    updates its own copy from its own batch, so after a step they differ (and so do the buffers of
-    an EMA of the model). Rank 0's are the ones checkpointed: an evaluation that used every rank's
-    own would score a mix of models, and would score something else after a resume. Training is
-    unchanged: the next forward starts from rank 0's buffers anyway.
+    - Why: after a step each rank's buffers (and its EMA's) differ; rank 0's are checkpointed, so an
+      evaluation on every rank's own would score a mix of models, and another after a resume.
+    - Training is unchanged: DDP starts each forward from rank 0's buffers anyway.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return

@@ -1,12 +1,9 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for the recipes that shard their model: dinov2_fsdp on
-several ranks, timm_imagenet and fungitastic with ``fsdp.enabled``.
+"""FSDP2 (``fully_shard``) for the recipes that shard their model: dinov2_fsdp, and others with ``fsdp.enabled``.
 
-Each block of the model (a transformer layer, a ResNet bottleneck: the blocks
-``trainer.activation_checkpointing`` recomputes) is one FSDP unit, then the root holds the rest
-(stem, norms, heads). A rank keeps its shard of every parameter, gradient and optimizer state and
-gathers a unit's weights only while that unit runs. The run contract saves and loads the shards with
-``torch.distributed.checkpoint`` (``TrainingRun(sharded=True)``), so a run resumes on another number
-of ranks, and ``make eval``, ``make export`` and ``init_from`` read them on any number.
+- Each block (those ``trainer.activation_checkpointing`` recomputes) is one FSDP unit; the root holds the
+  rest (stem, norms, heads). A unit's weights are gathered only while it runs.
+- The run contract saves the shards with ``torch.distributed.checkpoint`` (``TrainingRun(sharded=True)``):
+  a run resumes, and ``make eval``, ``make export`` and ``init_from`` read it, on any number of ranks.
 """
 
 from __future__ import annotations
@@ -24,10 +21,10 @@ def fully_shard_blocks(model: nn.Module, blocks: Iterable[nn.Module], *, bf16_pa
                        reshard_after_forward: bool, cpu_offload: bool) -> None:
     """FSDP2 in place: every one of ``blocks`` is a unit, then ``model`` holds the rest.
 
-    ``bf16_parameters``: the units compute with bf16 copies of their fp32 parameters and reduce
-    gradients in fp32, in place of autocast (dinov2_fsdp); otherwise the parameters stay as they
-    are and the recipe's autocast computes exactly as it does without FSDP2. ``cpu_offload``: the
-    shards, their gradients and the optimizer state live in host memory (CUDA).
+    - ``bf16_parameters``: compute with bf16 copies of the fp32 parameters, reduce gradients in fp32,
+      in place of autocast (dinov2_fsdp); else the recipe's autocast computes as without FSDP2.
+    - ``reshard_after_forward``: free gathered weights after each unit's forward.
+    - ``cpu_offload``: shards, gradients and optimizer state live in host memory (CUDA).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -47,14 +44,16 @@ def is_sharded(model: Any) -> bool:
 
 
 def process_group_options(shard_on_one_rank: bool, cpu_offload: bool) -> dict[str, bool]:
-    """What ``common.pytorch.distributed.init_distributed`` must make for FSDP2: a group even of one
-    rank where one rank shards, and gloo beside nccl for CPU offload (gradient clipping reduces the
-    offloaded gradients on the host)."""
+    """The ``init_distributed`` options FSDP2 needs.
+
+    - ``shard_on_one_rank``: a process group even of one rank.
+    - ``cpu_offload``: gloo beside nccl, since gradient clipping reduces offloaded gradients on the host.
+    """
     return {"cpu_collectives": cpu_offload, "group_of_one": shard_on_one_rank}
 
 
 def check_fsdp_settings(enabled: bool, cpu_offload: bool, device: torch.device, precision: str) -> None:
-    """``fsdp.*`` settings no run can honour, refused before any work."""
+    """Refuse ``fsdp.*`` settings no run can honour, before any work (``UserError``)."""
     if cpu_offload and not enabled:
         raise UserError("fsdp.cpu_offload offloads FSDP2's shards: it needs fsdp.enabled=true")
     if not enabled:

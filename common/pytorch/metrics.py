@@ -1,9 +1,8 @@
 """Running sums reduced exactly across ranks, and only when someone reads them.
 
-Ratios such as accuracy are computed from reduced sums (total correct / total count), never
-as an average of per-rank averages. Tensor values stay on the device between reads, so adding
-to them does not synchronise the host with the GPU; plain integers (sample counts) are summed
-on the host, exactly, so counting costs no device work at all.
+- Ratios (accuracy) come from reduced sums (total correct / total count), never averages of averages.
+- Tensors stay on the device between reads (adding makes no host sync); plain integers (sample
+  counts) are summed exactly on the host.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ import torch.nn.functional as F
 
 
 class SumMetrics:
+    """Named running sums on ``device`` (float64 where the device has it), reduced by :meth:`reduce`."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._dtype = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
@@ -41,8 +42,7 @@ class SumMetrics:
                 self._sums[name] = value.to(self._dtype, copy=True)
 
     def running(self, name: str) -> torch.Tensor | None:
-        """The running sum ``name`` of the tensors added so far, on the device (no host sync);
-        None when none was added."""
+        """The running sum ``name`` of the tensors added so far, on the device (no host sync), or None."""
         return self._sums.get(name)
 
     def _totals(self, names: list[str]) -> torch.Tensor:
@@ -54,7 +54,7 @@ class SumMetrics:
         return torch.stack([self._sums.get(name, zero) for name in names]) + counts.to(self.device)
 
     def reduce(self) -> dict[str, float]:
-        """The sums over every rank (a collective: all ranks must call it). One host sync."""
+        """The sums over every rank. Collective: all ranks must call it; one host sync."""
         names = sorted(set(self._sums) | set(self._counts))
         if not names:
             return {}
@@ -92,8 +92,9 @@ def ratio(sums: Mapping[str, float], numerator: str, denominator: str) -> float:
 
 def add_classification(sums: SumMetrics, logits: torch.Tensor, labels: torch.Tensor,
                        keep: torch.Tensor | None = None) -> None:
-    """Add a batch of class scores to ``sums``: the summed cross-entropy, top-1 and top-5 hits and
-    the count (``keep``: a mask of the samples to count, the others being padding)."""
+    """Add a batch's summed cross-entropy, top-1 and top-5 hits and count to ``sums``.
+
+    ``keep``: a mask of the samples to count (the others are padding)."""
     logits = logits.float()
     hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == labels[:, None]
     top1, top5 = hits[:, 0], hits.any(dim=1)

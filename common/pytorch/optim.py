@@ -1,5 +1,6 @@
-"""Optimizer helpers every recipe wants: batch-size bookkeeping, LR scaling, no weight decay
-on norms and biases, and a warmup + cosine schedule that resumes exactly."""
+"""Optimizer helpers every recipe wants: batch-size bookkeeping, LR scaling, weight-decay groups, LR schedules.
+
+The schedules are plain ``LambdaLR``s: they resume exactly with the scheduler's state."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from common.errors import UserError
 
 
 def accumulation_steps(global_batch_size: int | None, micro_batch_size: int, world_size: int) -> int:
-    """Micro-batches per optimizer step so the effective batch stays ``global_batch_size``
-    whatever the number of ranks (1 when no global batch size is set)."""
+    """Micro-batches per optimizer step that keep the batch at ``global_batch_size`` on any number of ranks.
+
+    1 when no global batch size is set; ``UserError`` when it is not a multiple of batch x ranks."""
     if not global_batch_size:
         return 1
     per_step = micro_batch_size * world_size
@@ -25,7 +27,7 @@ def accumulation_steps(global_batch_size: int | None, micro_batch_size: int, wor
 
 
 def scaled_lr(base_lr: float, batch_size: int, reference_batch_size: int, rule: str) -> float:
-    """``base_lr`` is tuned for ``reference_batch_size``; scale it to ``batch_size``."""
+    """``base_lr`` (tuned for ``reference_batch_size``) scaled to ``batch_size`` by ``rule``: none, linear or sqrt."""
     if rule == "none":
         return base_lr
     if rule == "linear":
@@ -36,8 +38,7 @@ def scaled_lr(base_lr: float, batch_size: int, reference_batch_size: int, rule: 
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: weight decay on weights of dimension >= 2, none on norms, biases and
-    other 1-d parameters (the torchvision/timm convention)."""
+    """Two parameter groups: decay on weights of dimension >= 2, none on norms, biases and other 1-d ones."""
     decay, no_decay = [], []
     for param in model.parameters():
         if not param.requires_grad:
@@ -66,8 +67,7 @@ def warmup_cosine(
 def warmup_multistep(
     optimizer: torch.optim.Optimizer, warmup_steps: int, milestone_steps: list[int], gamma: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup from ~0 to the base LR, then the LR times ``gamma`` once per milestone passed
-    (the step-decay schedule of the classic CIFAR and ImageNet ResNet recipes)."""
+    """Linear warmup, then the LR times ``gamma`` per milestone passed (the classic ResNet step decay)."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:

@@ -1,12 +1,9 @@
-"""Random number generators: seeding a run, seeds that make a resumed run draw what the
-uninterrupted run drew, and the generator states a checkpoint holds.
+"""Random number generators: a resumed run draws from step ``s`` on what the uninterrupted run drew.
 
-A run resumed at step ``s`` must see the same random draws as the uninterrupted run did from
-step ``s`` on. Two things make that so: every rank's generator states are saved in each
-checkpoint (:func:`rng_state`, :func:`set_rng_state`), and draws that would otherwise depend on
-when something happened in the process (a DataLoader iterator drawing its workers' base seed
-from torch's generator, say) come from generators seeded by what they are for: the step, the
-rank, the sample (:func:`seeded_generator`, :func:`seeded_global_rng`).
+- Every rank's generator states are in each checkpoint (:func:`rng_state`, :func:`set_rng_state`).
+- Draws that would depend on when something happened in the process (a DataLoader iterator seeding
+  its workers) come from generators seeded by what they are for: step, rank, sample
+  (:func:`seeded_generator`, :func:`seeded_global_rng`).
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ def _sample_seed(*keys: int) -> int:
 
 
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
-    """A generator for batch-level augmentation seeded from ``keys`` (e.g. seed, step, rank),
-    so a resumed run draws exactly what the uninterrupted run drew at that step."""
+    """A generator on ``device`` for batch-level augmentation, seeded from ``keys`` (e.g. seed, step, rank)."""
     generator = torch.Generator(device=device)
     generator.manual_seed(_sample_seed(*keys))
     return generator
@@ -44,11 +40,11 @@ def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
 
 @contextlib.contextmanager
 def seeded_global_rng(*keys: int) -> Iterator[None]:
-    """Seed Python's, NumPy's and torch's CPU global generators from ``keys`` for the block, and
-    restore them after it: for library code that draws only from global state (timm's Mixup,
-    drop path, torchvision's RandAugment), so that a resumed run draws what the uninterrupted
-    run drew. The CUDA generators are left alone: their state is in every checkpoint, and
-    reseeding them would be a device call per block."""
+    """Seed Python's, NumPy's and torch's CPU global generators from ``keys`` for the block; restore them after.
+
+    - For library code that draws only from global state (timm's Mixup, drop path, torchvision's RandAugment).
+    - CUDA generators are left alone: their state is in every checkpoint, and reseeding costs a device call.
+    """
     seed = _sample_seed(*keys)
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
@@ -81,8 +77,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`rng_state`'s result, whatever device its tensors were loaded to (the
-    generators take CPU byte tensors only)."""
+    """Restore :func:`rng_state`'s result, whatever device its tensors were loaded to."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     saved = state["numpy"]

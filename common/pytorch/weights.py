@@ -1,9 +1,8 @@
 """Pretrained weights read from a local copy, so a run (every ISC cycle) starts without the hub.
 
-``make prep-<recipe>`` stores a recipe's pretrained weights in ``data/weights/<hub repository>/``
-(see ``data_prep/weights.py``): transformers' ``save_pretrained`` layout for transformers models,
-timm's ``save_for_hf`` layout (``model.safetensors`` and ``config.json``) for timm models. The
-configs name that folder. This module reads it, or a single weights file.
+- ``make prep-<recipe>`` stores them in ``data/weights/<hub repository>/`` (``data_prep/weights.py``):
+  transformers' ``save_pretrained`` layout, or timm's ``save_for_hf`` (``model.safetensors``, ``config.json``).
+- The configs name that folder; this module reads it, or a single weights file.
 """
 
 from __future__ import annotations
@@ -37,8 +36,9 @@ def weights_file(path: Path) -> Path:
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """The state dict of a weights file (.safetensors, or a torch file holding it at the top level
-    or under ``model``/``state_dict``), or of a folder's weights file."""
+    """The state dict of a weights file, or of a folder's; ``UserError`` when there is none or it is unreadable.
+
+    ``.safetensors``, or a torch file holding it at the top level or under ``model``/``state_dict``."""
     file = weights_file(path)
     try:
         state = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(file, map_location="cpu",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from common.config import CheckpointConfig, EmaConfig, LoggingConfig, MixupConfig, Precision, RunConfig, TrainerConfig
+from common.config import CheckpointConfig, EmaConfig, MixupConfig, Precision, RunConfig, TrainerConfig
 
 
 class AutoAugment(str, Enum):
@@ -72,5 +72,4 @@ class Cifar100ResNet50Config(RunConfig):
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
         epochs=200, eval_batch_size=512, precision=Precision.bf16, channels_last=True))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
+from common.after_training.export import timm_classifiers, timm_loading
 from common.data import cifar100
-from common.export import timm_classifiers, timm_loading
 from common.recipes import RecipeSpec
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config, ModelConfig
 from recipes.cifar100_resnet50.data import MEAN, STD
@@ -43,7 +43,6 @@ SPEC = RecipeSpec(
     model_as_trained=model_as_trained,
     splits=SPLITS,
     evaluator=evaluator,
-    export_names=lambda model_cfg: [("", "")],
     head_names=lambda model_cfg: [f"{name}." for name in timm_classifiers(model_cfg.name)],
     export_metadata=export_metadata,
     model_from_export=model_from_export,

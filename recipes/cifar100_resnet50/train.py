@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 -m recipes.cifar100_resnet50.train [hydra overrides]
     python -m recipes.cifar100_resnet50.train +experiment=cifar100_reference   # the published 77.4% recipe
 
-Run contract (see README.md, ``common/run.py``): the run directory is ``runs/cifar100_resnet50/<name>``;
+Run contract (see README.md, ``common/run/training_run.py``): the run directory is ``runs/cifar100_resnet50/<name>``;
 a run whose checkpoint directory holds a valid checkpoint resumes from it; SIGTERM/SIGUSR1 finish
 the step, checkpoint and exit with code 75; a finished run writes ``summary.json``.
 """
@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from timm.utils import ModelEmaV3
 
+from common.after_training.evaluate import classification_scores, metric_prefix
 from common.data import cifar100
 from common.data.image_batches import Normalize
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main
-from common.evaluate import classification_scores, metric_prefix
+from common.entry import exit_process, recipe_main
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
@@ -27,8 +27,8 @@ from common.pytorch.optim import scaled_lr, warmup_cosine, warmup_multistep, wei
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_generator
 from common.recipes import Evaluate
-from common.run import TrainingRun
-from common.steps import EpochTail, StepPlan, compile_static
+from common.run.steps import EpochTail, StepPlan, compile_static
+from common.run.training_run import TrainingRun
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config
 from recipes.cifar100_resnet50.data import MEAN, STD, BatchAugmentation
 from recipes.cifar100_resnet50.model import build_model
@@ -99,10 +99,10 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
 
-    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run.py) ---------
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums,
-                                  extra_state={"ema": ema.module} if ema is not None else None)
+    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
+    run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, sampler=sampler, train_sums=train_sums,
+                      extra_state={"ema": ema.module} if ema is not None else None)
     progress = run.resume()
     run.console(f"cifar100_resnet50: {cfg.model.name} on {dist_info.world_size} rank(s) on {device.type}, "
                 f"{plan.describe()}, lr {lr:g}, {cfg.optim.sched.value} schedule, {plan.total} steps")
@@ -158,4 +158,6 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(Cifar100ResNet50Config, train)  # overrides from the command line; train() in a training process
+    from recipes.cifar100_resnet50.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from common.config import CheckpointConfig, FSDPSettings, LoggingConfig, Precision, RunConfig, TrainerConfig
+from common.config import CheckpointConfig, FSDPSettings, Precision, RunConfig, TrainerConfig
 
 
 @dataclass
@@ -78,5 +78,4 @@ class DinoV2FSDPConfig(RunConfig):
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
         batch_size=64, global_batch_size=256, eval_batch_size=128, precision=Precision.bf16))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
 

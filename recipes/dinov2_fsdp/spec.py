@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from common.after_training.export import timm_loading
 from common.data import cifar100
-from common.export import timm_loading
 from common.recipes import RecipeSpec
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig, ModelConfig
 from recipes.dinov2_fsdp.data import MEAN, STD

@@ -9,7 +9,7 @@ the probe LR with a fresh optimizer and schedule. The stage is saved in every ch
 
 With several ranks (or ``fsdp.on_one_rank=true``) the model is sharded with FSDP2 (one unit per
 transformer block, then the root) and checkpoints hold its shards (``torch.distributed.checkpoint``),
-so a run can resume on a different number of ranks. Run contract: see README.md, ``common/run.py``.
+so a run can resume on a different number of ranks. Run contract: see README.md, ``common/run/training_run.py``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
+from common.after_training.evaluate import metric_prefix, model_outputs
 from common.data import cifar100
 from common.data.image_batches import Normalize, random_crop_and_flip
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main
+from common.entry import exit_process, recipe_main
 from common.errors import UserError
-from common.evaluate import metric_prefix, model_outputs
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, gradient_sync, on_device
 from common.pytorch.fsdp import fully_shard_blocks, process_group_options
@@ -34,8 +34,8 @@ from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
 from common.pytorch.precision import autocast
 from common.pytorch.rng import seed_everything, seeded_generator
 from common.recipes import Evaluate
-from common.run import TrainingRun
-from common.steps import EpochTail, StepPlan, compile_static
+from common.run.steps import EpochTail, StepPlan, compile_static
+from common.run.training_run import TrainingRun
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig
 from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
 from recipes.dinov2_fsdp.model import build_model, refresh_mixed_precision
@@ -174,13 +174,13 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
 
     train_sums = SumMetrics(device)
 
-    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run.py) ---------
+    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     # The model and optimizer are saved through torch.distributed.checkpoint (each rank its FSDP
     # shards), so a run resumes on another number of ranks. The checkpoint at the end of the probe
     # is kept for good (_force: the ISC ships it). Which optimizer exists depends on the stage, so
     # it is made, and its state loaded, once the progress says which stage the run is in.
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, sampler=sampler, train_sums=train_sums,
-                                  sharded=True, milestones={cfg.stages.probe_epochs: "end of linear probe"})
+    run = TrainingRun(cfg, dist_info, plan, model=model, sampler=sampler, train_sums=train_sums,
+                      sharded=True, milestones={cfg.stages.probe_epochs: "end of linear probe"})
     progress = run.resume()
     stage = Stage(progress.extra.setdefault("stage", stage_of_epoch(0).value))
     optimizer, scheduler = start_stage(stage)
@@ -243,4 +243,6 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(DinoV2FSDPConfig, train, process_group)  # overrides from the command line; train() in a process
+    from recipes.dinov2_fsdp.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

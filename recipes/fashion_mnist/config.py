@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
+from common.config import CheckpointConfig, RunConfig, TrainerConfig
 
 
 @dataclass
@@ -50,4 +50,3 @@ class FashionMNISTConfig(RunConfig):
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(epochs=6, eval_batch_size=512,
                                                                          channels_last=True))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -3,7 +3,7 @@
     python -m recipes.fashion_mnist.train [hydra overrides]
     torchrun --nproc-per-node 2 -m recipes.fashion_mnist.train [hydra overrides]
 
-Run contract (see README.md, ``common/run.py``): the run directory is ``runs/fashion_mnist/<name>``;
+Run contract (see README.md, ``common/run/training_run.py``): the run directory is ``runs/fashion_mnist/<name>``;
 a run whose checkpoint directory holds a valid checkpoint resumes from it; SIGTERM/SIGUSR1 finish
 the step, checkpoint and exit with code 75; a finished run writes ``summary.json``.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.after_training.evaluate import classification_scores, metric_prefix
 from common.data.image_batches import random_crop_and_flip
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main
-from common.evaluate import classification_scores, metric_prefix
+from common.entry import exit_process, recipe_main
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
@@ -24,8 +24,8 @@ from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_generator
 from common.recipes import Evaluate
-from common.run import TrainingRun
-from common.steps import EpochTail, StepPlan, compile_static
+from common.run.steps import EpochTail, StepPlan, compile_static
+from common.run.training_run import TrainingRun
 from recipes.fashion_mnist.config import FashionMNISTConfig
 from recipes.fashion_mnist.data import BLACK, load_split, normalize
 from recipes.fashion_mnist.model import build_model
@@ -85,9 +85,9 @@ def train(cfg: FashionMNISTConfig, dist_info: DistInfo) -> None:
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
 
-    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run.py) ---------
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums)
+    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
+    run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, sampler=sampler, train_sums=train_sums)
     progress = run.resume()
     run.console(f"fashion_mnist: {dist_info.world_size} rank(s) on {device.type}, {plan.describe()}, lr {lr:g}, "
                 f"{plan.total} steps")
@@ -137,4 +137,6 @@ def train(cfg: FashionMNISTConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(FashionMNISTConfig, train)  # overrides from the command line; train() in a training process
+    from recipes.fashion_mnist.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

@@ -16,7 +16,6 @@ from common.config import (
     DataFormat,
     Decode,
     FSDPConfig,
-    LoggingConfig,
     Precision,
     RunConfig,
     ShardsConfig,
@@ -92,5 +91,4 @@ class FungiTasticConfig(RunConfig):
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(epochs=30, batch_size=64, eval_batch_size=128,
                                                                          precision=Precision.bf16))
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(best_metric="val/species/f1"))
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from common.export import timm_classifiers, timm_loading
+from common.after_training.export import timm_classifiers, timm_loading
 from common.recipes import RecipeSpec
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import FungiTasticConfig, ModelConfig

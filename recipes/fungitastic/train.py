@@ -5,7 +5,7 @@ level, readable top to bottom.
     torchrun --nproc-per-node 8 -m recipes.fungitastic.train [hydra overrides]
     python -m recipes.fungitastic.train +experiment=fungi_beit_mini   # the published BEiT-B/16 setting
 
-Run contract (see README.md, ``common/run.py``): the run directory is ``runs/fungitastic/<name>``;
+Run contract (see README.md, ``common/run/training_run.py``): the run directory is ``runs/fungitastic/<name>``;
 a run whose checkpoint directory holds a valid checkpoint resumes from it; SIGTERM/SIGUSR1 finish
 the step, checkpoint and exit with code 75; a finished run writes ``summary.json`` with the final
 validation and test metrics. The checkpoint with the best validation species macro-F1 is kept
@@ -17,14 +17,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from common.after_training.evaluate import metric_prefix, model_outputs, most_batches
 from common.data.decode_choice import choose_train_decode
 from common.data.image_batches import Normalize
 from common.data.images import DeviceTrainInput, ResizedImages, TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main
+from common.entry import exit_process, recipe_main
 from common.errors import UserError
-from common.evaluate import metric_prefix, model_outputs, most_batches
 from common.pytorch.activation_checkpointing import checkpoint_blocks, residual_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.fsdp import check_fsdp_settings, fully_shard_blocks, process_group_options
@@ -32,8 +32,8 @@ from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything
-from common.run import TrainingRun
-from common.steps import EpochTail, StepPlan, compile_static
+from common.run.steps import EpochTail, StepPlan, compile_static
+from common.run.training_run import TrainingRun
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import FungiTasticConfig
 from recipes.fungitastic.data import split_files, train_augmentation
@@ -207,11 +207,11 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
 
-    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run.py) ---------
+    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     # Under fsdp.enabled the model and optimizer state are saved as each rank's shards
     # (torch.distributed.checkpoint), so a run resumes on another number of ranks.
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled)
+    run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled)
     progress = run.resume()
     splits = [train_files, *(evaluate.files for evaluate in evaluators.values())]
     for files in splits:
@@ -287,4 +287,6 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(FungiTasticConfig, train, process_group)  # overrides from the command line; train() in a process
+    from recipes.fungitastic.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

@@ -18,7 +18,6 @@ from common.config import (
     Decode,
     EmaConfig,
     FSDPConfig,
-    LoggingConfig,
     LRScaling,
     MixupConfig,
     Precision,
@@ -113,5 +112,4 @@ class TimmImageNetConfig(RunConfig):
         epochs=90, lr_scaling=LRScaling.linear, precision=Precision.bf16, channels_last=True, log_every_steps=100))
     # Background checkpoints: the loop waits only for the copy to host memory.
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(async_save=True))
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.export import timm_classifiers, timm_loading
+from common.after_training.export import timm_classifiers, timm_loading
 from common.recipes import RecipeSpec
 from recipes.timm_imagenet.config import ModelConfig, TimmImageNetConfig
 from recipes.timm_imagenet.data import class_names, resolve
@@ -45,7 +45,6 @@ SPEC = RecipeSpec(
     model_as_trained=model_as_trained,
     splits=SPLITS,
     evaluator=evaluator,
-    export_names=lambda model_cfg: [("", "")],
     head_names=lambda model_cfg: [f"{name}." for name in timm_classifiers(model_cfg.name)],
     export_metadata=export_metadata,
     model_from_export=model_from_export,

@@ -10,7 +10,7 @@ batch at a time, as timm's ``--prefetcher``), Mixup/CutMix, the losses, ``create
 (no weight decay on norms and biases), ``create_scheduler_v2`` (stepped per optimizer update)
 and EMA; the repeated-augmentation sampler is timm's, made resumable (``sampler.py``).
 
-Run contract (see README.md, ``common/run.py``): the run directory is ``runs/timm_imagenet/<name>``;
+Run contract (see README.md, ``common/run/training_run.py``): the run directory is ``runs/timm_imagenet/<name>``;
 a run whose checkpoint directory holds a valid checkpoint resumes from it, bit-exactly; SIGTERM/SIGUSR1
 finish the step, checkpoint and exit with code 75; a finished run writes ``summary.json``.
 """
@@ -27,6 +27,7 @@ from timm.optim import create_optimizer_v2, list_optimizers
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
+from common.after_training.evaluate import classification_scores, metric_prefix, most_batches
 from common.config import DataFormat
 from common.data.decode_choice import choose_train_decode
 from common.data.image_batches import Normalize
@@ -34,9 +35,8 @@ from common.data.images import DeviceTrainInput, TrainImages, collate_train
 from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.data.staging import stage_directory
-from common.entry import recipe_main
+from common.entry import exit_process, recipe_main
 from common.errors import UserError
-from common.evaluate import classification_scores, metric_prefix, most_batches
 from common.pytorch.activation_checkpointing import checkpoint_blocks, residual_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.fsdp import check_fsdp_settings, fully_shard_blocks, process_group_options
@@ -45,8 +45,8 @@ from common.pytorch.optim import scaled_lr
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_global_rng
 from common.recipes import Evaluate
-from common.run import TrainingRun
-from common.steps import EpochTail, StepPlan, compile_static
+from common.run.steps import EpochTail, StepPlan, compile_static
+from common.run.training_run import TrainingRun
 from recipes.timm_imagenet.config import TimmImageNetConfig
 from recipes.timm_imagenet.data import (
     EvalImages,
@@ -203,12 +203,12 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
 
-    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run.py) ---------
+    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     # Under fsdp.enabled the model and optimizer state are saved as each rank's shards
     # (torch.distributed.checkpoint), so a run resumes on another number of ranks.
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled,
-                                  extra_state={"ema": ema.module} if ema is not None else None)
+    run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled,
+                      extra_state={"ema": ema.module} if ema is not None else None)
     progress = run.resume()
     run.console(
         f"timm_imagenet: {cfg.model.name}, {num_classes} classes, train: {train_origin}\n"
@@ -273,4 +273,6 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(TimmImageNetConfig, train, process_group)  # overrides from the command line; train() in a process
+    from recipes.timm_imagenet.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

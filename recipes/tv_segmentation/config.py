@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from common.config import CheckpointConfig, LoggingConfig, RunConfig, TrainerConfig
+from common.config import CheckpointConfig, RunConfig, TrainerConfig
 
 
 class DatasetName(str, Enum):
@@ -64,5 +64,4 @@ class TvSegmentationConfig(RunConfig):
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(epochs=30, batch_size=4, eval_batch_size=1,
                                                                          log_every_steps=20))
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(best_metric="eval/miou"))
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
 

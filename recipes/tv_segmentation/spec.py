@@ -47,7 +47,6 @@ SPEC = RecipeSpec(
     model_as_trained=model_as_trained,
     splits=SPLITS,
     evaluator=evaluator,
-    export_names=lambda model_cfg: [("", "")],
     head_names=head_names,
     export_metadata=export_metadata,
     model_from_export=model_from_export,

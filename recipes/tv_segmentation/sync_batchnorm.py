@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 
 class AllReduceBatchNorm(_BatchNorm):
-    collective_in_forward = True  # every rank must run its forwards alike (common/out_of_memory.py)
+    collective_in_forward = True  # every rank must run its forwards alike (common/run/out_of_memory.py)
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:

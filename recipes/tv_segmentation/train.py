@@ -4,7 +4,7 @@
     python -m recipes.tv_segmentation.train [hydra overrides]
     torchrun --nproc-per-node 8 -m recipes.tv_segmentation.train +experiment=seg_fcn_resnet101_coco
 
-Run contract (see README.md, ``common/run.py``): the run directory is ``runs/tv_segmentation/<name>``;
+Run contract (see README.md, ``common/run/training_run.py``): the run directory is ``runs/tv_segmentation/<name>``;
 a run whose checkpoint directory holds a valid checkpoint resumes from it; SIGTERM/SIGUSR1 finish
 the step, checkpoint and exit with code 75; a finished run writes ``summary.json``.
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from common.after_training.evaluate import metric_prefix, model_outputs
 from common.data.image_batches import Normalize
 from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
-from common.entry import recipe_main
-from common.evaluate import metric_prefix, model_outputs
+from common.entry import exit_process, recipe_main
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
 from common.pytorch.metrics import SumMetrics, ratio
@@ -25,8 +25,8 @@ from common.pytorch.optim import scaled_lr
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything
 from common.recipes import Evaluate
-from common.run import TrainingRun
-from common.steps import EpochTail, StepPlan, compile_static
+from common.run.steps import EpochTail, StepPlan, compile_static
+from common.run.training_run import TrainingRun
 from recipes.tv_segmentation.config import TvSegmentationConfig
 from recipes.tv_segmentation.data import (
     MEAN,
@@ -117,9 +117,9 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
 
-    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run.py) ---------
-    run = TrainingRun.from_config(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                                  scaler=scaler, sampler=sampler, train_sums=train_sums)
+    # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
+    run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
+                      scaler=scaler, sampler=sampler, train_sums=train_sums)
     progress = run.resume()
     run.console(
         f"tv_segmentation: {cfg.model.name} on {cfg.data.dataset.value} ({len(train_set)} train images), "
@@ -171,4 +171,6 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    recipe_main(TvSegmentationConfig, train)  # overrides from the command line; train() in a training process
+    from recipes.tv_segmentation.spec import SPEC  # the schema and process-group options (spec.py imports this file)
+
+    exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

@@ -48,9 +48,9 @@ if os.environ.get("PAUSE_AT_STEP") and not os.path.exists(os.environ["PAUSE_MARK
     import time
     from pathlib import Path
 
-    import common.checkpoint as checkpoint_module
-    from common.checkpoint import CheckpointManager
-    from common.run import StopSignals
+    import common.checkpoint.writer as checkpoint_module
+    from common.checkpoint.manager import CheckpointManager
+    from common.run.training_run import StopSignals
 
     PAUSE_AT = int(os.environ["PAUSE_AT_STEP"])
     MARKER = Path(os.environ["PAUSE_MARKER"])
@@ -128,7 +128,7 @@ if os.environ.get("NONFINITE_AT_STEP"):
     import torch
     import torch.nn.functional as F
 
-    from common.run import TrainingRun
+    from common.run.training_run import TrainingRun
 
     NONFINITE_AT = int(os.environ["NONFINITE_AT_STEP"])
     NONFINITE_HOW = os.environ.get("NONFINITE_HOW", "loss")
@@ -175,7 +175,7 @@ if os.environ.get("OOM_AT_STEP"):
     import torch
     import torch.nn.functional as F
 
-    from common.run import TrainingRun
+    from common.run.training_run import TrainingRun
 
     OOM_AT = int(os.environ["OOM_AT_STEP"])
     OOM_RANK = os.environ.get("OOM_RANK")
@@ -209,7 +209,7 @@ if os.environ.get("STALL_AT_STEP"):
     import torch
     import torch.nn.functional as F
 
-    from common.run import TrainingRun
+    from common.run.training_run import TrainingRun
 
     STALL_AT = int(os.environ["STALL_AT_STEP"])
     STALL_RANK = int(os.environ.get("STALL_RANK", "1"))

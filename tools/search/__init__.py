@@ -16,7 +16,7 @@ pruned or failed), whichever workers ran them.
 
 A trial interrupted by pre-emption or a kill is resumed from its checkpoint by the next worker,
 never restarted nor counted twice (``tools/search/worker.py``); each evaluation is reported to
-the study so its pruner can stop a trial early (``common/search_trial.py``, through the run
+the study so its pruner can stop a trial early (``common/run/search_trial.py``, through the run
 contract, so every recipe has it); results go to ``<study>/study.json``, a table and PNG plots
 (``tools/search/results.py``).
 """

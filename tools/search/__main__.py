@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"$CHECKPOINT_ARTIFACT_PATH), and the study's storage its journal (no --storage)")
             if any(override_key(override) == "checkpoint.keep_best" for override in args.overrides):
                 raise UserError("--checkpoint-artifacts: trials keep no best checkpoint there (checkpoint.keep_best "
-                                "is false; see cluster/README.md), so the overrides cannot set it")
+                                "is false; see docs/clusters.md), so the overrides cannot set it")
             restore_journal(study_dir / JOURNAL, artifacts, say)
         search = start_search(study_dir, args.storage, settings, say)
         code = Worker(search, args.trials, args.nproc, artifacts).run()

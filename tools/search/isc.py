@@ -3,7 +3,7 @@
 
 A cycle starts with only what the ISC shipped of ``CHECKPOINT_ARTIFACT_PATH``: for each
 ``<name>.latest_checkpoint`` symlink its target, and the ``_force`` directories (see
-cluster/README.md). ``LOSSY_ARTIFACT_PATH`` is synced for download, but nothing promises that the
+docs/clusters.md). ``LOSSY_ARTIFACT_PATH`` is synced for download, but nothing promises that the
 next cycle starts with it. So the study folder (trials' run directories, ``study.json``, plots)
 goes to ``LOSSY_ARTIFACT_PATH`` for the user to download, and two things go to the artifact path:
 
@@ -37,7 +37,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from common.checkpoint import LATEST, MANIFEST_FILE, checkpoint_dirs
+from common.checkpoint.layout import LATEST, MANIFEST_FILE, checkpoint_dirs
 from common.jsonfiles import write_json
 
 SAVER = "search"  # the AtomicDirectory name of the journal's checkpoints

@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from common.entry import CONF_DIR, compose_config
 from common.errors import UserError
-from common.search_trial import PRUNERS, make_pruner
+from common.run.search_trial import PRUNERS, make_pruner
 
 PRESETS = Path(CONF_DIR) / "search"
 TOP_LEVEL = ("objective", "pruner", "params")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
-from common.search_trial import SearchTrial, make_pruner, open_storage
+from common.run.search_trial import SearchTrial, make_pruner, open_storage
 from tools.search.space import DIRECTIONS, Param, Space
 
 JOURNAL = "journal.log"
@@ -93,7 +93,7 @@ class Search:
 
     def __init__(self, study_dir: Path, storage: str, optuna_storage: Any, study: Any, settings: Settings) -> None:
         self.study_dir = study_dir
-        self.storage = storage  # a journal file or a database URL, as common.search_trial.open_storage takes it
+        self.storage = storage  # a journal file or a database URL, as common.run.search_trial.open_storage takes it
         self.optuna_storage = optuna_storage
         self.study = study
         self.settings = settings
@@ -119,7 +119,7 @@ class Search:
         return storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(self.name), number)
 
     def search_trial(self, number: int) -> SearchTrial:
-        """What trial ``number``'s run needs to report to this study (common/search_trial.py)."""
+        """What trial ``number``'s run needs to report to this study (common/run/search_trial.py)."""
         return SearchTrial(self.storage, self.name, number, self.metric, self.settings.pruner)
 
     def trials(self) -> list[Any]:

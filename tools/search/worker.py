@@ -58,9 +58,9 @@ from optuna.trial import TrialState
 
 from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 from common.jsonfiles import dumps, write_json
-from common.run import STOP_SIGNALS
+from common.records.summary import SUMMARY_FILE
+from common.run.cadence import STOP_SIGNALS
 from common.run_lock import LOCK_FILE, RunLock, RunLockHeld
-from common.summary import SUMMARY_FILE
 from tools.search.isc import belongs_to, clear_for, move_checkpoints, save_journal
 from tools.search.results import write_study_json
 from tools.search.study import Search

@@ -1,1 +1,0 @@
-"""Strong Compute ISC experiment files and the local rapid-cycling rehearsal."""

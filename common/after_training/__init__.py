@@ -1,0 +1,1 @@
+"""What comes after training: a trained run opened, evaluated, exported or trained from."""

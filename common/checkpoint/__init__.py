@@ -1,0 +1,1 @@
+"""Atomic, verified checkpoints in the ISC's AtomicDirectory layout: layout, writer, manager."""

@@ -1,0 +1,1 @@
+"""What a run records: provenance, telemetry, heartbeats, profiles, logs and its summary."""
