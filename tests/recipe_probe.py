@@ -53,15 +53,12 @@ CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), l
 
 
 def tiny_settings(recipe: str, factory: Any) -> list[str]:
-    """``recipe``'s tiny test settings (``tests/trained_runs.py``) and its tiny data, made once per
-    session (``factory``: pytest's ``tmp_path_factory``)."""
+    """``recipe``'s tiny test settings and its tiny data, made once per session (both declared in
+    ``recipes/<recipe>/testing.py``; ``factory``: pytest's ``tmp_path_factory``)."""
     from tests import trained_runs
 
-    data = {"fashion_mnist": trained_runs.fashion_data, "cifar100_resnet50": trained_runs.cifar_data,
-            "timm_imagenet": trained_runs.imagenet_data, "tv_segmentation": trained_runs.voc_data,
-            "fungitastic": trained_runs.fungi_data, "dinov2_fsdp": trained_runs.cifar_data}[recipe](factory)
-    extra = [f"model.weights={trained_runs.dinov2_backbone(factory)}"] if recipe == "dinov2_fsdp" else []
-    return [*trained_runs.TINY[recipe], f"data.root={data}", *extra]
+    data = trained_runs.tiny_files(recipe, factory)
+    return [*trained_runs.TINY[recipe], *(f"{key}={path}" for key, path in data.items())]
 
 
 class Configs:

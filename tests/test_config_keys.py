@@ -1,10 +1,12 @@
 """Every key of every recipe's schema changes what it should.
 
 The keys are read from the schemas themselves (each recipe's ``RunConfig`` dataclass, walked with
-``dataclasses.fields``), so a key added later has no check until one is written here, and
+``dataclasses.fields``), so a key added later has no check until one is written, and
 ``test_every_schema_key_has_a_check_or_a_reason`` fails until it has one. A check says what
 observable the key must change and to what value (``Check``); the few keys that change nothing a
-CPU can see say why, in :data:`NO_EFFECT_ON_A_CPU`.
+CPU can see say why, in :data:`NO_EFFECT_ON_A_CPU`. The checks of keys every recipe shares are
+here (:data:`CHECKS`); a recipe's own are in its ``recipes/<recipe>/testing.py`` with its tiny
+settings (``tests/recipe_tables.py`` reads them), so that a copied recipe brings them along.
 
 Each check runs the recipe's real ``train()`` in this process (``tests/recipe_probe.py``) twice,
 with the key as in the tiny test settings and changed, and compares one observable: the model's
@@ -20,6 +22,7 @@ one probe with all of them changed.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import re
 import sys
@@ -39,7 +42,7 @@ from common.config import plain_config
 from common.entry import compose_config, typed_config
 from common.pytorch.distributed import DistInfo
 from common.recipes import load_recipe
-from tests import trained_runs
+from tests import recipe_tables, trained_runs
 from tests.conftest import REPO
 from tests.recipe_probe import Configs, Probe, probe, tiny_settings
 
@@ -238,14 +241,11 @@ def check(observable: str, *change: str, context: tuple[str, ...] = (), default_
 MIXUP_ON = ("mixup.mixup_alpha=0.8",)
 EMA_ON = ("ema.enabled=true",)
 CHANNELS_FIRST = ("trainer.channels_last=false",)
-RANDAUGMENT = ("data.auto_augment=randaugment",)
-MULTISTEP = ("optim.sched=multistep",)
-FINE_TUNE = ("stages.probe_epochs=0",)  # dinov2_fsdp starts in its fine-tune stage
 PROFILED = ("profile.enabled=true", "profile.start_step=1", "profile.active_steps=1")
 SAME_RUN_DIR = ("run_dir={tmp}/same",)  # the folders that default to ${run_dir}/... then differ by their key alone
 SHARDS = ("data.format=shards", "data.shards.root={shards}")
 REMOTE_SHARDS = ("data.format=shards", "data.shards.root=file://{shards}")
-# The keys of the JPEG recipes' data sources (issue 37): what they read their images from.
+# The keys of the JPEG recipes' data sources (issue 37): what they read their images from (in CHECKS).
 DATA_SOURCE_CHECKS = {
     "data.format": check("train files", "data.format=shards", context=SHARDS[1:]),
     "data.shards.root": check("train files", "data.shards.root={shards_copy}", context=SHARDS),
@@ -326,160 +326,19 @@ CHECKS: dict[str, Check] = {
     "optim.warmup_epochs": check("lr schedule", "optim.warmup_epochs=2"),
     "optim.min_lr_ratio": check("lr schedule", "optim.min_lr_ratio=0.5"),
     "optim.label_smoothing": check("first loss", "optim.label_smoothing=0.3"),
+    # the data sources of the recipes that read JPEGs
+    **DATA_SOURCE_CHECKS,
 }
 
+# Each recipe's own keys: KEY_CHECKS in recipes/<recipe>/testing.py (tests/recipe_tables.py), so that a
+# copied recipe brings its checks along.
 RECIPE_CHECKS: dict[str, dict[str, Check]] = {
-    "fashion_mnist": {
-        "data.random_crop_padding": check("first batch", "data.random_crop_padding=4"),
-        "data.horizontal_flip": check("first batch", "data.horizontal_flip=true"),
-        "model.channels": check("weights", "model.channels=[4,4]"),
-        "model.convs_per_block": check("weights", "model.convs_per_block=2"),
-        "model.hidden": check("weights", "model.hidden=8"),
-        "model.dropout": check("first gradients", "model.dropout=0.6"),
-        "trainer.global_batch_size": check("run.plan.accumulate", "trainer.global_batch_size=32"),
-        "optim.name": check("optimizer", "optim.name=sgd"),
-        # one input channel is laid out alike in both formats: the model's weights show it
-        "trainer.channels_last": check("weights", "trainer.channels_last=true", context=CHANNELS_FIRST),
-        "optim.momentum": check("optimizer", "optim.momentum=0.5", context=("optim.name=sgd",)),
-        # a Sequential of single layers has no blocks to checkpoint: refused in one line
-        "trainer.activation_checkpointing": check("error", "trainer.activation_checkpointing=blocks"),
-    },
-    "cifar100_resnet50": {
-        "data.random_crop_padding": check("first batch", "data.random_crop_padding=0"),
-        "data.horizontal_flip": check("first batch", "data.horizontal_flip=false"),
-        "data.rotation_degrees": check("first batch", "data.rotation_degrees=30"),
-        "data.auto_augment": check("first batch", "data.auto_augment=trivialaugment"),
-        "data.randaugment_ops": check("first batch", "data.randaugment_ops=1", context=RANDAUGMENT),
-        "data.randaugment_magnitude": check("first batch", "data.randaugment_magnitude=3", context=RANDAUGMENT),
-        "data.random_erasing": check("first batch", "data.random_erasing=1.0"),
-        "model.name": check("weights", "model.name=resnet10t"),
-        "model.cifar_stem": check("weights", "model.cifar_stem=false"),
-        "model.drop_path_rate": check("first gradients", "model.drop_path_rate=0.5"),
-        "optim.nesterov": check("optimizer", "optim.nesterov=false"),
-        "optim.decay_norms_and_biases": check("optimizer", "optim.decay_norms_and_biases=true"),
-        "optim.sched": check("lr schedule", "optim.sched=multistep"),
-        "optim.milestones": check("lr schedule", "optim.milestones=[1,2]", context=MULTISTEP),
-        "optim.gamma": check("lr schedule", "optim.gamma=0.5", context=MULTISTEP),
-    },
-    "timm_imagenet": {
-        "data.train_split": check("error", "data.train_split=missing"),
-        "data.val_split": check("error", "data.val_split=missing"),
-        "data.stage_to_local": check("train files", "data.stage_to_local=true", context=("data.stage_dir={tmp}/a",)),
-        "data.stage_dir": check("train files", "data.stage_dir={tmp}/b",
-                                context=("data.stage_to_local=true", "data.stage_dir={tmp}/a")),
-        "data.decode": check("first batch", "data.decode=gpu"),
-        # libjpeg decodes at 1/2, 1/4 or 1/8 scale only when the crop is at least twice the output
-        "data.draft_decode": check("first batch", "data.draft_decode=false",
-                                   context=("data.train_size=8", "data.scale=[1.0,1.0]")),
-        "data.train_size": check("first batch", "data.train_size=24"),
-        "data.eval_size": check("eval batches", "data.eval_size=24"),
-        "data.eval_crop_pct": check("eval batches", "data.eval_crop_pct=0.5"),
-        "data.interpolation": check("first batch", "data.interpolation=bicubic"),
-        "data.scale": check("first batch", "data.scale=[0.5,0.6]"),
-        "data.ratio": check("first batch", "data.ratio=[1.0,1.0]"),
-        "data.hflip": check("first batch", "data.hflip=1.0", context=("data.hflip=0.0",)),
-        "data.color_jitter": check("first batch", "data.color_jitter=0.0"),
-        "data.auto_augment": check("first batch", "data.auto_augment=rand-m9-mstd0.5"),
-        "data.re_prob": check("first batch", "data.re_prob=1.0"),
-        "data.re_mode": check("first batch", "data.re_mode=const", context=("data.re_prob=1.0",)),
-        "data.re_count": check("first batch", "data.re_count=3", context=("data.re_prob=1.0",)),
-        "data.repeated_augmentation": check("sampler", "data.repeated_augmentation=3"),
-        "data.ra_selected_round": check("sampler", "data.ra_selected_round=16",
-                                        context=("data.repeated_augmentation=3",)),
-        "model.name": check("weights", "model.name=test_efficientnet"),
-        "model.pretrained_file": check("weights", "model.pretrained_file={timm_weights}"),
-        "model.drop_rate": check("first gradients", "model.drop_rate=0.5"),
-        "model.drop_path_rate": check("first gradients", "model.drop_path_rate=0.5"),
-        "model.kwargs": check("weights", "+model.kwargs.zero_init_last=false"),
-        "optim.opt": check("optimizer", "optim.opt=adamw"),
-        "optim.opt_eps": check("optimizer", "optim.opt_eps=0.001", context=("optim.opt=adamw",)),
-        "optim.sched": check("lr schedule", "optim.sched=step"),
-        "optim.warmup_epochs": check("lr schedule", "optim.warmup_epochs=1"),
-        "optim.warmup_lr": check("lr schedule", "optim.warmup_lr=0.01"),
-        "optim.min_lr": check("lr schedule", "optim.min_lr=0.01"),
-        "optim.decay_epochs": check("lr schedule", "optim.decay_epochs=1", context=("optim.sched=step",)),
-        "optim.decay_milestones": check("lr schedule", "optim.decay_milestones=[1,2]", context=MULTISTEP),
-        "optim.decay_rate": check("lr schedule", "optim.decay_rate=0.5",
-                                  context=("optim.sched=step", "optim.decay_epochs=1")),
-        "fsdp.enabled": check("process group", "fsdp.enabled=true"),
-        "fsdp.cpu_offload": check("process group", "fsdp.cpu_offload=true"),
-        "optim.loss": check("first loss", "optim.loss=bce"),
-        "optim.bce_target_thresh": check("first loss", "optim.bce_target_thresh=0.2", context=("optim.loss=bce",)),
-        **DATA_SOURCE_CHECKS,
-    },
-    "tv_segmentation": {
-        "data.dataset": check("error", "data.dataset=coco"),
-        "trainer.batch_size": check("first batch", "trainer.batch_size=4"),  # BatchNorm needs 2 or more
-        "trainer.global_batch_size": check("run.plan.accumulate", "trainer.global_batch_size=4"),
-        "data.train_split": check("error", "data.train_split=missing"),
-        "data.val_split": check("error", "data.val_split=missing"),
-        "data.base_size": check("first batch", "data.base_size=64"),
-        "data.crop_size": check("first batch", "data.crop_size=32"),
-        "data.min_scale": check("first batch", "data.min_scale=0.9"),
-        "data.max_scale": check("first batch", "data.max_scale=1.0"),
-        "data.hflip_prob": check("first batch", "data.hflip_prob=1.0", context=("data.hflip_prob=0.0",)),
-        "model.name": check("weights", "model.name=lraspp_mobilenet_v3_large", context=("model.aux_loss=false",)),
-        "model.num_classes": check("weights", "model.num_classes=16"),
-        "model.aux_loss": check("weights", "model.aux_loss=false"),
-        "model.aux_weight": check("first loss", "model.aux_weight=0.0"),
-        "model.weights": check("weights", "model.weights={seg_weights}"),
-        "model.weights_backbone": check("weights", "model.weights_backbone={seg_backbone}"),
-        "model.sync_batchnorm": check("batchnorm on two ranks", "model.sync_batchnorm=false"),
-        "optim.aux_lr_multiplier": check("optimizer", "optim.aux_lr_multiplier=2"),
-        "optim.poly_power": check("lr schedule", "optim.poly_power=2"),
-        "optim.warmup_start_factor": check("lr schedule", "optim.warmup_start_factor=0.5",
-                                           context=("optim.warmup_epochs=1",)),
-    },
-    "fungitastic": {
-        "data.prepared_dir": check("error", "data.prepared_dir={missing}"),
-        "data.subset": check("error", "data.subset=full"),
-        "data.size": check("error", "data.size=500p"),
-        "data.minimal": check("sampler", "data.minimal=true"),
-        "data.levels": check("weights", "data.levels=[species,genus]"),
-        "data.image_size": check("first batch", "data.image_size=16"),
-        "data.crop_scale_min": check("first batch", "data.crop_scale_min=0.3"),
-        "data.randaugment_ops": check("first batch", "data.randaugment_ops=0"),
-        "data.randaugment_magnitude": check("first batch", "data.randaugment_magnitude=5"),
-        "data.horizontal_flip": check("first batch", "data.horizontal_flip=true"),
-        "data.draft_decode": check("first batch", "data.draft_decode=false", context=("data.image_size=16",)),
-        "data.decode": check("first batch", "data.decode=gpu"),
-        "data.skip_missing": check("error", "data.skip_missing=true", context=("data.root={fungi_missing}",)),
-        "data.test_split": check("final metrics", "data.test_split=false"),
-        "model.name": check("weights", "model.name=test_vit2"),
-        "model.pretrained": check("weights", "model.pretrained={fungi_weights}"),
-        "model.drop_path_rate": check("first gradients", "model.drop_path_rate=0.5"),
-        "model.head_dropout": check("first gradients", "model.head_dropout=0.5"),
-        "model.derive_from_species": check("final metrics", "model.derive_from_species=true"),
-        "loss.level_weights": check("first loss", "loss.level_weights.species=3.0"),
-        # the tiny data's classes are balanced, so its class weights are equal: a file that weighs them differently
-        "loss.class_weighted_levels": check("first loss", "loss.class_weighted_levels=[species]",
-                                            context=("data.prepared_dir={fungi_class_weights}",)),
-        "fsdp.enabled": check("process group", "fsdp.enabled=true"),
-        "fsdp.cpu_offload": check("process group", "fsdp.cpu_offload=true"),
-        "optim.betas": check("optimizer", "optim.betas=[0.5,0.9]"),
-        "optim.layer_decay": check("optimizer", "optim.layer_decay=0.65"),
-        **DATA_SOURCE_CHECKS,
-    },
-    "dinov2_fsdp": {
-        "data.random_crop_padding": check("first batch", "data.random_crop_padding=0"),
-        "data.horizontal_flip": check("first batch", "data.horizontal_flip=false"),
-        "model.library": check("error", "model.library=timm"),  # timm knows no facebook/dinov2-small
-        "model.name": check("weights", "model.name={dinov2_architecture}",
-                            context=("model.pretrained=false", "model.name={dinov2_backbone}")),
-        "model.pretrained": check("weights", "model.pretrained=false"),
-        "model.weights": check("weights", "model.weights={dinov2_weights}"),
-        "model.image_size": check("first batch", "model.image_size=42"),
-        "model.features": check("weights", "model.features=cls_patch_mean"),
-        "fsdp.cpu_offload": check("error", "fsdp.cpu_offload=true"),  # offloads GPU state: refused on a CPU
-        "stages.probe_epochs": check("optimizer", "stages.probe_epochs=0"),
-        "stages.probe_warmup_epochs": check("lr schedule", "stages.probe_warmup_epochs=0.5"),
-        "stages.finetune_lr_ratio": check("lr schedule", "stages.finetune_lr_ratio=0.5", context=FINE_TUNE),
-        "stages.finetune_warmup_epochs": check("lr schedule", "stages.finetune_warmup_epochs=0", context=FINE_TUNE),
-    },
+    recipe: {key: check(observable, *change, context=context)
+             for key, (observable, change, context) in recipe_tables.key_checks(recipe).items()}
+    for recipe in recipe_tables.DECLARED
 }
 
 # Keys whose effect no CPU run can show, and why ("key" for every recipe, "recipe:key" for one).
-IN_MEMORY = "no DataLoader: the whole dataset is a tensor on the device, batches are gathered by index"
 NO_EFFECT_ON_A_CPU: dict[str, str] = {
     "device": "one device here: auto is the CPU on a machine without CUDA, and device=cuda stops in one line "
               "before any work (tests/test_distributed.py::test_asking_for_cuda_without_a_gpu_is_a_user_error)",
@@ -494,21 +353,9 @@ NO_EFFECT_ON_A_CPU: dict[str, str] = {
     "checkpoint.sync_every_steps": "how often several ranks agree on saving and stopping; one process agrees with "
                                    "itself every step whatever it says (2 ranks: tests/test_distributed.py::"
                                    "test_two_gloo_ranks_reduce_exactly_and_agree_when_to_stop)",
-    "fashion_mnist:trainer.num_workers": IN_MEMORY,
-    "cifar100_resnet50:trainer.num_workers": IN_MEMORY,
-    "dinov2_fsdp:trainer.num_workers": IN_MEMORY,
-    "timm_imagenet:model.pretrained": "published weights from the Hugging Face hub, which a test never fetches "
-                                      "(model.pretrained_file, the local copy, is checked)",
-    "dinov2_fsdp:fsdp.reshard_after_forward": "FSDP2's memory against all-gather traffic on several ranks: the "
-                                              "same numbers by design, and one process does not shard",
-    "timm_imagenet:fsdp.reshard_after_forward": "FSDP2's memory against all-gather traffic: the same numbers by "
-                                                "design, and a pytest process makes no process group to shard in "
-                                                "(FSDP2 trains on 1 and 2 gloo ranks in tests/test_fsdp.py)",
-    "fungitastic:fsdp.reshard_after_forward": "FSDP2's memory against all-gather traffic: the same numbers by "
-                                              "design, and a pytest process makes no process group to shard in "
-                                              "(FSDP2 trains on 1 and 2 gloo ranks in tests/test_fsdp.py)",
-    "dinov2_fsdp:fsdp.on_one_rank": "FSDP2 in a process group of one, to check FSDP on one GPU (make gpu-check); "
-                                    "the same training by design, and a pytest process makes no process group",
+    # each recipe's own: NO_EFFECT_ON_A_CPU in recipes/<recipe>/testing.py
+    **{f"{recipe}:{key}": why for recipe in recipe_tables.DECLARED
+       for key, why in recipe_tables.no_effect_on_a_cpu(recipe).items()},
 }
 
 
@@ -525,10 +372,11 @@ def keys_of(recipe: str) -> list[str]:
 def test_every_schema_key_has_a_check_or_a_reason_it_has_no_effect_on_a_cpu() -> None:
     uncovered = [f"{recipe}:{key}" for recipe in RECIPES for key in keys_of(recipe) if check_of(recipe, key) is None]
     assert not uncovered, (f"{len(uncovered)} config key(s) without a check that changing them changes the run: "
-                           f"{', '.join(uncovered)}; add one to RECIPE_CHECKS in tests/test_config_keys.py (or the "
-                           f"reason there is none to NO_EFFECT_ON_A_CPU)")
+                           f"{', '.join(uncovered)}; add one to KEY_CHECKS in recipes/<recipe>/testing.py (or the "
+                           f"reason there is none to its NO_EFFECT_ON_A_CPU; tests/recipe_tables.py says how)")
     untried = [recipe for recipe in RECIPES if recipe not in trained_runs.TINY]
-    assert not untried, f"no tiny settings to check {untried} with: add them to TINY in tests/trained_runs.py"
+    assert not untried, (f"no tiny settings to check {untried} with: declare them in recipes/<recipe>/testing.py "
+                         f"(TINY, TINY_DATA; tests/recipe_tables.py says how)")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -619,7 +467,7 @@ class Resources:
         import shutil
 
         copy = self.tmp / "fungi_missing"
-        shutil.copytree(trained_runs.fungi_data(self.factory), copy)
+        shutil.copytree(trained_runs.tiny_files(self.recipe, self.factory)["data.root"], copy)
         next(iter(sorted((copy / "FungiTastic-Mini" / "train").rglob("*.JPG")))).unlink()
         for saved in (copy / "prepared").rglob("*.index.npz"):  # listed before the image went: listed again
             saved.unlink()
@@ -629,10 +477,9 @@ class Resources:
         """The tiny FungiTastic's prepared folder with species weights 1, 2, 3, 4."""
         import shutil
 
-        from recipes.fungitastic import metadata
-
+        metadata = importlib.import_module(f"recipes.{self.recipe}.metadata")
         prepared = self.tmp / "prepared"
-        shutil.copytree(Path(trained_runs.fungi_data(self.factory)) / "prepared", prepared)
+        shutil.copytree(Path(trained_runs.tiny_files(self.recipe, self.factory)["data.root"]) / "prepared", prepared)
         weights_file = prepared / metadata.subset_dir("mini") / metadata.CLASS_WEIGHTS_FILE
         weights = torch.load(weights_file, weights_only=True)
         weights["species"] = torch.arange(1.0, len(weights["species"]) + 1)
@@ -641,8 +488,7 @@ class Resources:
 
     def shards(self) -> Path:
         """The tiny data's shards (written once per session)."""
-        return {"timm_imagenet": trained_runs.imagenet_shards,
-                "fungitastic": trained_runs.fungi_shards}[self.recipe](self.factory)
+        return trained_runs.tiny_shards(self.recipe, self.factory)
 
     def shards_copy(self) -> Path:
         import shutil
@@ -673,11 +519,10 @@ class Resources:
 
 def batchnorm_on_two_ranks(recipe: str, cfg: Any) -> int:
     """How many BatchNorm layers of the model training holds on 2 ranks synchronise across them."""
-    from recipes.tv_segmentation.sync_batchnorm import AllReduceBatchNorm
-
+    synchronised = importlib.import_module(f"recipes.{recipe}.sync_batchnorm").AllReduceBatchNorm
     two_ranks = DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"), launcher="torchrun")
     model = load_recipe(recipe).model_as_trained(cfg, two_ranks, False)
-    return sum(isinstance(module, AllReduceBatchNorm) for module in model.modules())
+    return sum(isinstance(module, synchronised) for module in model.modules())
 
 
 def process_group(recipe: str, cfg: Any) -> dict[str, Any]:

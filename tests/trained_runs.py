@@ -14,6 +14,7 @@ import json
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from common.after_training.evaluate import eval_file_name
 from common.after_training.evaluate import main as evaluate_main
 from common.entry import compose_config, training_process, typed_config
 from common.recipes import load_recipe
+from tests import recipe_tables
 from tools.tiny_data import (
     write_cifar100_tarball,
     write_fashion_mnist,
@@ -31,20 +33,7 @@ from tools.tiny_data import (
     write_voc,
 )
 
-COMMON = ["logging.backend=none", "logging.progress_bar=false", "checkpoint.every_seconds=0"]
-TINY = {
-    "fashion_mnist": ["model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=16", *COMMON],
-    "cifar100_resnet50": ["model.name=test_resnet", "trainer.precision=fp32", "trainer.batch_size=8", *COMMON],
-    "timm_imagenet": ["model.name=test_resnet", "data.train_size=32", "data.eval_size=32", "trainer.batch_size=8",
-                      "trainer.precision=fp32", "trainer.num_workers=0", "checkpoint.async_save=false", *COMMON],
-    "fungitastic": ["model.name=test_vit", "model.pretrained=", "model.drop_path_rate=0", "data.image_size=32",
-                    "trainer.batch_size=4", "trainer.precision=fp32", "trainer.num_workers=0", "optim.lr=0.001",
-                    *COMMON],
-    "tv_segmentation": ["model.name=deeplabv3_mobilenet_v3_large", "data.base_size=40", "data.crop_size=40",
-                        "trainer.batch_size=2", "trainer.num_workers=0", "device=cpu", *COMMON],
-    "dinov2_fsdp": ["model.image_size=28", "trainer.batch_size=4", "trainer.global_batch_size=8",
-                    "stages.probe_epochs=1", "optim.lr=0.05", *COMMON],
-}
+TINY = recipe_tables.TINY  # recipe -> its tiny settings, from recipes/<recipe>/testing.py
 _made: dict[str, Any] = {}  # name -> what shared_run made, for the whole session
 
 
@@ -83,6 +72,26 @@ def evaluate_here(recipe: str, run: Path, *args: str, which: str = "latest", spl
 # ---- data, one of each per session ---------------------------------------------------------
 
 
+def tiny_files(recipe: str, factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``{key: path}``: the tiny data ``recipe`` declares (``TINY_DATA`` in its ``testing.py``),
+    each written by the function of this module it names, once per session."""
+    return {key: _maker(recipe, maker)(factory) for key, maker in recipe_tables.tiny_data(recipe).items()}
+
+
+def tiny_shards(recipe: str, factory: pytest.TempPathFactory) -> Path:
+    """``recipe``'s tiny data as shards (``TINY_SHARDS`` in its ``testing.py``), written by its own
+    data prep once per session."""
+    return _maker(recipe, recipe_tables.tiny_shards(recipe))(factory, recipe)
+
+
+def _maker(recipe: str, name: str) -> Callable[..., Path]:
+    maker = globals().get(name)
+    if not callable(maker):
+        raise KeyError(f"recipes/{recipe}/testing.py names {name!r}, which tests/trained_runs.py does not define")
+    return maker
+
+
+
 def fashion_data(factory: pytest.TempPathFactory) -> Path:
     return shared_run("fashion_data", factory, write_fashion_mnist)
 
@@ -104,13 +113,12 @@ def imagenet_data(factory: pytest.TempPathFactory) -> Path:
                                                                                  val_per_class=3))
 
 
-def imagenet_shards(factory: pytest.TempPathFactory) -> Path:
-    """The tiny ImageFolder's splits as shards, where ``data.format=shards`` reads them (``<data.root>/shards``)."""
-    from data_prep.timm_imagenet import shard
-
+def imagenet_shards(factory: pytest.TempPathFactory, recipe: str = "timm_imagenet") -> Path:
+    """The tiny ImageFolder's splits as shards, written by ``data_prep/<recipe>.py`` (which stamps
+    them with its recipe's name), where ``data.format=shards`` reads them (``<data.root>/shards``);
+    a copy's (``make new-recipe``) beside them."""
     data = imagenet_data(factory)
-    shared_run("imagenet_shards", factory, lambda _: shard(data, data / "shards", workers=1))
-    return data / "shards"
+    return _shards(recipe, "timm_imagenet", data, factory, lambda prep, shards: prep.shard(data, shards, workers=1))
 
 
 def voc_data(factory: pytest.TempPathFactory) -> Path:
@@ -129,13 +137,21 @@ def fungi_data(factory: pytest.TempPathFactory) -> Path:
     return shared_run("fungi_data", factory, make)
 
 
-def fungi_shards(factory: pytest.TempPathFactory) -> Path:
-    """The tiny FungiTastic's splits (full and minimal CSVs) as shards, where ``data.format=shards`` reads them."""
-    from data_prep.fungitastic import save_lists
-
+def fungi_shards(factory: pytest.TempPathFactory, recipe: str = "fungitastic") -> Path:
+    """The tiny FungiTastic's splits (full and minimal CSVs) as shards, written by
+    ``data_prep/<recipe>.py``, where ``data.format=shards`` reads them (a copy's beside them)."""
     data = fungi_data(factory)
-    shared_run("fungi_shards", factory, lambda _: save_lists(data, "mini", "300p", True, False, data / "shards"))
-    return data / "shards"
+    return _shards(recipe, "fungitastic", data, factory,
+                   lambda prep, shards: prep.save_lists(data, "mini", "300p", True, False, shards))
+
+
+def _shards(recipe: str, original: str, data: Path, factory: pytest.TempPathFactory,
+            write: Callable[[ModuleType, Path], None]) -> Path:
+    """``write(data_prep.<recipe>, folder)`` once per session; the folder: ``<data>/shards`` for
+    the recipe the data is ``original``ly for, ``<data>/shards-<recipe>`` for a copy of it."""
+    shards = data / ("shards" if recipe == original else f"shards-{recipe}")
+    shared_run(f"{recipe}_shards", factory, lambda _: write(importlib.import_module(f"data_prep.{recipe}"), shards))
+    return shards
 
 
 def dinov2_backbone(factory: pytest.TempPathFactory) -> Path:

@@ -734,4 +734,19 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_layers.py::test_a_module_of_common_imports_only_its_layer_and_those_below[common.records.summary]",),
         "common/ grows an upward import: the next change makes a cycle, and a layer can no longer be read alone",
     ),
+    # ---- issue 36: the shared test tables take each recipe's entries from recipes/<recipe>/testing.py
+    Mutation(
+        "recipe-tables-drop-a-recipe", "tests/recipe_tables.py",
+        "DECLARED = {recipe: module for recipe in RECIPES if (module := declaration(recipe)) is not None}",
+        "DECLARED = {recipe: module for recipe in RECIPES[1:] if (module := declaration(recipe)) is not None}",
+        ("tests/test_config_keys.py::test_every_schema_key_has_a_check_or_a_reason_it_has_no_effect_on_a_cpu",),
+        "a recipe (a copied one, say) whose keys the suite no longer checks, without a word",
+    ),
+    Mutation(
+        "new-recipe-leaves-out-the-test-declaration", "tools/new_recipe.py",
+        '        if path.is_file() and "__pycache__" not in path.parts:',
+        '        if path.is_file() and "__pycache__" not in path.parts and path.name != "testing.py":',
+        ("tests/test_new_recipe.py::test_new_recipe_round_trip",),
+        "make new-recipe leaves a recipe whose keys have no checks: the suite fails until they are written by hand",
+    ),
 ]

@@ -1,12 +1,32 @@
 """Copy a recipe as the start of a new one: ``make new-recipe NAME=x [FROM=fashion_mnist]``.
 
-Copies ``recipes/<from>/``, ``conf/<from>.yaml``, ``conf/experiment/<from>_*.yaml``, the search
-space ``conf/search/<from>.yaml``, ``data_prep/<from>.py``, ``tests/test_<from>*.py`` and the cluster files
-``cluster/slurm/<from>.sbatch`` and ``cluster/isc/<from>.isc`` (every recipe has both, and the
-suite checks that), renaming the recipe everywhere in them (module paths, config and schema
-names, class-name prefixes), so the copy's tests pass as they are. The whole suite then asks for
-checks of the new schema's keys (``tests/test_config_keys.py``, docs/adding-a-recipe.md). Nothing
-existing is overwritten.
+What it copies (``y`` is FROM, ``x`` is NAME; a file that is not there is skipped):
+
+  recipes/y/ (every file)        -> recipes/x/   the loop, schema, data, model, spec.py, README.md,
+                                                  and testing.py: what the shared tests need of it
+  conf/y.yaml                    -> conf/x.yaml
+  conf/experiment/y_*.yaml       -> conf/experiment/x_*.yaml   (presets named otherwise stay shared:
+                                                                 +experiment=<name> works with the copy)
+  conf/search/y.yaml             -> conf/search/x.yaml
+  data_prep/y.py                 -> data_prep/x.py
+  tests/test_y.py, test_y_*.py   -> tests/test_x.py, test_x_*.py
+  (a y_* or test_y_* file of another recipe, one named y_<more>, is not copied)
+  cluster/slurm/y.sbatch         -> cluster/slurm/x.sbatch
+  cluster/isc/y.isc              -> cluster/isc/x.isc
+
+What it rewrites, in every copied file: ``y`` becomes ``x`` wherever no letter, digit or
+underscore comes just before it (module paths ``recipes.y.train``, config names ``y_schema``,
+``recipe: str = "y"``, ``make train-y``, file names), and the CamelCase prefix of y's config
+classes (``FashionMNIST`` in ``class FashionMNISTConfig(RunConfig)`` of ``recipes/y/config.py``)
+becomes x's CamelCase name (``MyRecipe`` for ``my_recipe``) where a capital letter follows it and
+none of those comes before it. Prose that names the dataset (``Fashion-MNIST``) and names in which
+``y`` follows such a character (``write_fashion_mnist``, the tiny-data writer the tests share) stay
+as they are.
+
+Nothing else is written and nothing existing is overwritten: the shared test tables
+(``tests/test_config_keys.py``, ``tests/trained_runs.py``) read the copy's ``recipes/x/testing.py``,
+and the Makefile finds every ``recipes/*/train.py``, so the copy's tests and the suite's checks of
+every recipe pass as they are. When x's schema gains a key, its check goes in ``recipes/x/testing.py``.
 """
 
 from __future__ import annotations
@@ -35,26 +55,35 @@ def class_prefix(source_dir: Path, name: str) -> str | None:
     return camel(name)
 
 
+def named_after(stem: str, source: str, repo: Path) -> bool:
+    """Whether ``stem`` (``<source>`` or ``<source>_<more>``) is named after ``source`` and not after
+    another recipe whose name starts with it (``<source>_v2``'s files are not ``source``'s)."""
+    others = [path.parent.name for path in (repo / "recipes").glob(f"{source}_*/train.py")]
+    return not any(stem == other or stem.startswith(f"{other}_") for other in others)
+
+
 def files_to_copy(repo: Path, source: str, target: str) -> list[tuple[Path, Path]]:
+    """``(source file, its copy)`` for every file the module's docstring lists."""
+    def renamed(path: Path) -> Path:
+        return path.with_name(path.name.replace(source, target, 1))
+
     pairs = []
     for path in sorted((repo / "recipes" / source).rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts:
             pairs.append((path, repo / "recipes" / target / path.relative_to(repo / "recipes" / source)))
-    pairs.append((repo / "conf" / f"{source}.yaml", repo / "conf" / f"{target}.yaml"))
-    for path in sorted((repo / "conf" / "experiment").glob(f"{source}_*.yaml")):
-        pairs.append((path, path.with_name(path.name.replace(source, target, 1))))
-    space = repo / "conf" / "search" / f"{source}.yaml"
-    if space.is_file():
-        pairs.append((space, space.with_name(f"{target}.yaml")))
-    prep = repo / "data_prep" / f"{source}.py"
-    if prep.is_file():
-        pairs.append((prep, repo / "data_prep" / f"{target}.py"))
-    for path in sorted((repo / "tests").glob(f"test_{source}*.py")):
-        pairs.append((path, path.with_name(path.name.replace(source, target, 1))))
+    experiments = [path for path in sorted((repo / "conf" / "experiment").glob(f"{source}_*.yaml"))
+                   if named_after(path.stem, source, repo)]
+    for path in (repo / "conf" / f"{source}.yaml", *experiments, repo / "conf" / "search" / f"{source}.yaml",
+                 repo / "data_prep" / f"{source}.py"):
+        if path.is_file():
+            pairs.append((path, renamed(path)))
+    for path in sorted([*(repo / "tests").glob(f"test_{source}.py"), *(repo / "tests").glob(f"test_{source}_*.py")]):
+        if named_after(path.stem.removeprefix("test_"), source, repo):
+            pairs.append((path, renamed(path)))
     for folder, suffix in (("slurm", ".sbatch"), ("isc", ".isc")):
         cluster_file = repo / "cluster" / folder / f"{source}{suffix}"
         if cluster_file.is_file():
-            pairs.append((cluster_file, cluster_file.with_name(f"{target}{suffix}")))
+            pairs.append((cluster_file, renamed(cluster_file)))
     return pairs
 
 
@@ -93,10 +122,15 @@ def main() -> None:
         sys.exit(2)
     for path in written:
         print(f"  created {path.relative_to(REPO)}")
-    print(f"\nnew recipe {args.name!r}: try `make test PYTEST_ARGS=tests/test_{args.name}.py` "
-          f"and `make train-{args.name}`; then give its config keys their checks in tests/test_config_keys.py "
-          f"(start from {args.source}'s) and its tiny settings in tests/trained_runs.py")
-
+    name, source = args.name, args.source
+    classes = f"{class_prefix(REPO / 'recipes' / source, source)}... became {camel(name)}..."
+    print(f"\nnew recipe {name!r}, copied from {source!r}: in these {len(written)} files {source} became {name} "
+          f"and {classes}\n(`python -m tools.new_recipe --help` says exactly where); nothing else was written.\n"
+          f"Its tests pass as they are, and so do the suite's checks of every recipe, which read\n"
+          f"recipes/{name}/testing.py (its tiny test settings and the checks of its config keys):\n"
+          f"  make test PYTEST_ARGS=\"tests/test_{name}.py tests/test_config_keys.py -k {name}\"\n"
+          f"  make train-{name}\n"
+          f"When you add a key to recipes/{name}/config.py, give it a check in recipes/{name}/testing.py.")
 
 if __name__ == "__main__":
     main()

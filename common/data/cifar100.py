@@ -49,23 +49,25 @@ class Cifar100Split:
     coarse_labels: torch.Tensor  # [N] int64, superclasses 0..19
 
 
-def _find_folder(root: str | Path) -> Path:
-    """``root`` itself or ``root/cifar-100-python``, whichever holds the pickles."""
+def _find_folder(root: str | Path, prep: str = "cifar100_resnet50") -> Path:
+    """``root`` itself or ``root/cifar-100-python``, whichever holds the pickles; else an error
+    that names ``make prep-<prep>``."""
     root = Path(root)
     for folder in (root / FOLDER, root):
         if (folder / "train").is_file() and (folder / "test").is_file():
             return folder
     raise UserError(
-        f"no CIFAR-100 pickles (train, test, meta) under {root}: run `make prep-cifar100_resnet50` "
+        f"no CIFAR-100 pickles (train, test, meta) under {root}: run `make prep-{prep}` "
         "or set data.root to the folder that holds cifar-100-python/"
     )
 
 
-def load_split(root: str | Path, split: str) -> Cifar100Split:
-    """One split's images (uint8) and labels, checked: any problem is one line naming the file."""
+def load_split(root: str | Path, split: str, prep: str = "cifar100_resnet50") -> Cifar100Split:
+    """One split's images (uint8) and labels, checked: any problem is one line naming the file
+    (missing pickles: the one naming ``make prep-<prep>``, the recipe's data prep)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
-    path = _find_folder(root) / split
+    path = _find_folder(root, prep) / split
     try:
         with open(path, "rb") as handle:
             entry = read_pickle(handle)

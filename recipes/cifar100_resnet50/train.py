@@ -46,7 +46,7 @@ def model_as_trained(cfg: Cifar100ResNet50Config, dist_info: DistInfo, pretraine
 def evaluator(cfg: Cifar100ResNet50Config, dist_info: DistInfo, split: str) -> Evaluate:
     """Loss, top-1 and top-5 accuracy over ``split``, each image counted once across ranks; the
     whole split on the device."""
-    data = cifar100.load_split(cfg.data.root, split)
+    data = cifar100.load_split(cfg.data.root, split, prep="cifar100_resnet50")
     images, labels = data.images.to(dist_info.device), data.labels.to(dist_info.device)
     normalize = Normalize(MEAN, STD, dist_info.device, input_max=1)
     sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,
@@ -66,7 +66,7 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
     seed_everything(cfg.seed)
 
     # ---- data: the whole dataset on the device, checked before anything else --------------
-    train_data = cifar100.load_split(cfg.data.root, "train")
+    train_data = cifar100.load_split(cfg.data.root, "train", prep="cifar100_resnet50")
     train_images, train_labels = train_data.images.to(device), train_data.labels.to(device)
     evaluate = evaluator(cfg, dist_info, SPLITS[0])
     augmentation = BatchAugmentation(cfg.data, cfg.mixup, cfg.optim.label_smoothing,
