@@ -124,3 +124,28 @@ def test_signal_before_time_limit_reaches_batch_shell(slurm_env, tmp_path: Path)
 
     assert sc.wait_for_job(job, timeout_s=300, env=slurm_env) == "COMPLETED"
     assert "got USR1 from the time limit" in out.read_text()
+
+
+def test_a_port_another_starting_cluster_claimed_is_not_picked(tmp_path_factory: pytest.TempPathFactory):
+    """A two-node start claims its slurmctld port, then sets up its network before binding it: a
+    cluster starting meanwhile (another xdist worker) must not take the same, still-free port."""
+    import socket
+
+    sc.require_slurm_or_skip()
+
+    def in_use(port: int) -> bool:
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", port)) == 0
+
+    first = next(p for p in range(6817, 6917, 2) if not in_use(p) and not in_use(p + 1))
+    registry = Path("/run/local-slurm")
+    registry.mkdir(parents=True, exist_ok=True)
+    state = tmp_path_factory.mktemp("claim")  # short: slurmstepd's socket paths have a limit
+    claim = registry / f"cluster-test-{state.name}.ports"
+    claim.write_text(f"{first}\n")
+    try:
+        with sc.running_local_slurm(state):
+            conf = (state / "slurm.conf").read_text()
+    finally:
+        claim.unlink()
+    assert f"SlurmctldPort={first}\n" not in conf

@@ -193,7 +193,7 @@ maybe_stop_munge() {
     local entry other
     [[ -s $REGISTRY/munged.pid ]] || return 0
     for entry in "$REGISTRY"/cluster-*; do
-        [[ -s $entry ]] || continue
+        [[ -s $entry && $entry != *.ports ]] || continue
         other=$(<"$entry")
         if pid_alive "$other/run/slurmctld.pid" "$other/slurm.conf"; then
             log "munged is still used by the cluster in $other; leaving it running"
@@ -207,6 +207,20 @@ maybe_stop_munge() {
     rm -f "$REGISTRY/munged.pid"
 }
 
+# The slurmctld ports other local clusters hold, or claimed in the last 5 minutes while starting:
+# a port is free to connect to until its slurmctld binds it, which a two-node start does only
+# after setting up its network.
+claimed_ports() {
+    local claim state
+    for claim in "$REGISTRY"/cluster-*.ports; do
+        [[ -s $claim ]] || continue
+        state=$(cat "${claim%.ports}" 2>/dev/null) || state=""
+        if [[ -n $(find "$claim" -mmin -5) ]] || pid_alive "$state/run/slurmctld.pid" "$state/slurm.conf"; then
+            cat "$claim"
+        fi
+    done
+}
+
 pick_ports() {
     local p
     if [[ -n ${LOCAL_SLURM_CTLD_PORT:-} ]]; then
@@ -216,8 +230,10 @@ pick_ports() {
         port_in_use "$D_PORT" && die "port $D_PORT (LOCAL_SLURM_D_PORT) is in use"
         return 0
     fi
+    local claimed
+    claimed=" $(claimed_ports | tr '\n' ' ') "
     for ((p = 6817; p < 6917; p += 2)); do
-        if ! port_in_use "$p" && ! port_in_use "$((p + 1))"; then
+        if [[ $claimed != *" $p "* ]] && ! port_in_use "$p" && ! port_in_use "$((p + 1))"; then
             CTLD_PORT=$p
             D_PORT=$((p + 1))
             return 0
@@ -534,9 +550,13 @@ cmd_start() {
         if [[ -e $f ]]; then mv -f "$f" "$f.prev"; fi
     done
     start_munge
-    pick_ports
     mkdir -p "$REGISTRY"
+    exec 8>"$REGISTRY/ports.lock"
+    flock 8  # two clusters starting at once never pick the same ports
+    pick_ports
     echo "$STATE" >"$(registry_entry)"
+    echo "$CTLD_PORT" >"$(registry_entry).ports"
+    flock -u 8
     if ((NODES > 1)); then
         # From here on a failing command cleans up everything this start made.
         trap 'fail_start "setting up the nodes failed (the command above)"' ERR
@@ -611,7 +631,7 @@ cmd_stop() {
     fi
     stop_pidfiles "$CONF" 10 "$STATE"/run/slurmd*.pid "$STATE/run/slurmctld.pid"
     teardown_network
-    rm -f "$(registry_entry)"
+    rm -f "$(registry_entry)" "$(registry_entry).ports"
     maybe_stop_munge
     log "stopped the cluster in $STATE"
 }
