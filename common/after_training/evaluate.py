@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from common.after_training.trained import LATEST, TrainedRun, load_model, open_run, read_state
+from common.after_training.trained import TrainedRun, add_run_arguments, load_model, open_run, read_state
 from common.entry import distributed_process, exit_after, fail, user_message
 from common.errors import UserError
 from common.jsonfiles import write_json
@@ -122,10 +122,8 @@ def eval_file_name(split: str, which: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m common.after_training.evaluate",
                                      description="Evaluate a checkpoint of a run on one split of its data.")
-    parser.add_argument("run", help="the run directory, its checkpoint folder, or one checkpoint directory")
-    parser.add_argument("--which", default=LATEST, help="latest (default), best, or a checkpoint directory's name")
+    add_run_arguments(parser)
     parser.add_argument("--split", default="", help="a split of the recipe's data (default: the one training uses)")
-    parser.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. data.root=...")
     args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
         run = open_run(args.run, args.which, args.overrides)

@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from common import jsonfiles
-from common.after_training.trained import LATEST, TrainedRun, checkpoint_weights, open_run, read_state
+from common.after_training.trained import TrainedRun, add_run_arguments, checkpoint_weights, open_run, read_state
 from common.checkpoint.layout import MANIFEST_FILE
 from common.config import plain_config
 from common.entry import CONFIG_ERRORS, config_error_line, exit_after, fail, recipe_schema, user_message
@@ -198,10 +198,8 @@ def load_export(folder: str | Path) -> tuple[torch.nn.Module, dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m common.after_training.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", help="the run directory, its checkpoint folder, or one checkpoint directory")
-    parser.add_argument("--which", default=LATEST, help="latest (default), best, or a checkpoint directory's name")
+    add_run_arguments(parser)
     parser.add_argument("--out", default="", help="the export folder (default: <run dir>/export-<which>)")
-    parser.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. data.root=...")
     args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
         run = open_run(args.run, args.which, args.overrides)

@@ -13,6 +13,7 @@ recipe's schema as it is now, overrides on top. Nothing here writes: a run still
 
 from __future__ import annotations
 
+import argparse
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,6 +61,14 @@ class TrainedRun:
     def run_dir(self) -> Path:
         """Where files about the run go: the run directory, the checkpoint folder that came alone, or ``run_dir=``."""
         return Path(self.cfg.run_dir)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every command on a trained run takes: the run, ``--which`` checkpoint, and
+    ``key=value`` overrides of its config (for :func:`open_run`)."""
+    parser.add_argument("run", help="the run directory, its checkpoint folder, or one checkpoint directory")
+    parser.add_argument("--which", default=LATEST, help="latest (default), best, or a checkpoint directory's name")
+    parser.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. data.root=...")
 
 
 def open_run(source: str | Path, which: str = LATEST, overrides: Sequence[str] = ()) -> TrainedRun:
