@@ -18,6 +18,8 @@ import signal
 import time
 from pathlib import Path
 
+import litdata.streaming.config as litdata_config
+import litdata.streaming.item_loader as litdata_item_loader
 import numpy as np
 import pytest
 import torch
@@ -25,11 +27,13 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
-from common.config import Decode
+from common.config import Decode, TrainerConfig
+from common.data import decode_choice
+from common.data.decode_choice import choose_train_decode
 from common.data.device_input import DeviceTrainInput
 from common.data.file_index import FileIndex
 from common.data.images import TrainAugmentation, TrainImages, collate_train
-from common.data.loaders import PerSampleSeeded
+from common.data.loaders import PerSampleSeeded, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.data.shards import ShardImages, write_shards
 from common.errors import UserError
@@ -180,10 +184,14 @@ def _list_on_a_rank(rank: int, root: str, run_dir: str, out: str) -> None:
                                                          str(path)]))
 
 
-def test_on_two_ranks_local_rank_0_lists_and_the_other_waits_for_that_list(tmp_path: Path) -> None:
-    """A list saved earlier is there: rank 1 must wait for the one rank 0 makes now (rebuild_index)."""
+@pytest.mark.parametrize("there_before", ["an older list", "a damaged list"])
+def test_on_two_ranks_local_rank_0_lists_and_the_other_waits_for_that_list(tmp_path: Path, there_before: str) -> None:
+    """A list saved earlier is there, whole or damaged: rank 1 must wait for the one rank 0 makes now
+    (rebuild_index), not take the old one nor stop on the damaged one with the line that asks for a rebuild."""
     root = tree(tmp_path / "data")
-    earlier, _ = listed(root, tmp_path / "run")
+    earlier, path = listed(root, tmp_path / "run")
+    if there_before == "a damaged list":
+        path.write_bytes(b"not a list")
     spawn_ranks(_list_on_a_rank, str(root), str(tmp_path / "run"), str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0][0] != earlier.index.info["token"]
@@ -256,6 +264,31 @@ def test_a_remote_is_read_through_a_node_local_cache_bounded_by_its_limit(
         else:
             assert cached_bytes(cache) <= limit + 2 * largest < total
             assert "the set is larger than the cache's limit" in images.describe()
+
+
+def test_chunks_the_main_process_never_read_are_read_by_the_forked_workers_after_decode_auto_measured(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.decode=auto measures the CPU's decode rate on the training shards in the main process (forced
+    here: the device taken for a GPU, the model's rate given; the first chunk's samples read), then the
+    loader forks its worker, which reads every sample. With a copy of the main process's reader the worker
+    would wait for the chunks a download thread that a fork does not copy was to fetch (litdata's wait,
+    120 s, cut to 10 here), and fail."""
+    for module in (litdata_config, litdata_item_loader):
+        monkeypatch.setattr(module, "_MAX_WAIT_TIME", 10)
+    monkeypatch.setattr(decode_choice, "_SAMPLE_FILES", 2)
+    monkeypatch.setattr(decode_choice, "model_rate", lambda *args: 1e9)
+    folder, index = small_chunks(tmp_path_factory, tmp_path / "shards")
+    images = ShardImages(remote(folder), str(tmp_path / "cache"), "1GB", {"recipe": TIMM}, "the fix")
+    augmentation = TrainAugmentation(size=16)
+    choice = choose_train_decode(Decode.auto, TrainerConfig(num_workers=1), augmentation, images, False,
+                                 torch.nn.Identity(), 16, torch.device("cuda"), micro_batch=4, resumed="")
+    assert choice.decode == Decode.gpu and "the model trains ~1,000,000,000 on this GPU" in choice.reason
+    keys = [(0, i) for i in range(len(images))]
+    loader = make_train_loader(PerSampleSeeded(TrainImages(images, augmentation, choice.decode), 0),
+                               [keys[start : start + 4] for start in range(0, len(keys), 4)], 1, False,
+                               collate_fn=collate_train)
+    read = [path for batch, _ in loader for path in batch["path"]]
+    assert read == [f"{remote(folder)}[{i}] ({index.name(i)})" for i in range(len(images))]
 
 
 def test_samples_read_by_two_ranks_then_one_are_the_epochs_samples_once_each_as_files_give_them(
@@ -333,6 +366,18 @@ def test_a_damaged_shard_exits_2_with_one_line_and_the_run_directory_stays_as_it
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: {expected}"]
     assert (snapshot(tmp_path / "run" / "checkpoints"), snapshot(copy)) == before
+
+
+def test_staging_shards_to_local_disk_is_refused_in_one_line(tmp_path: Path,
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """data.stage_to_local copies loose files; with shards it would be ignored without a word."""
+    trained_runs.imagenet_shards(tmp_path_factory)
+    configs = Configs(TIMM, tmp_path, tiny_settings(TIMM, tmp_path_factory))
+    seen = probe(TIMM, configs("data.format=shards", "data.stage_to_local=true", f"data.stage_dir={tmp_path / 'stage'}"))
+    assert seen.error == ("data.stage_to_local=true copies data.root's loose files, which data.format=shards does not "
+                          "read: drop it, and give shards on a shared filesystem as a remote (data.shards.root="
+                          "file:///path), read through the node-local cache data.shards.cache_dir")
+    assert not (tmp_path / "stage").exists()
 
 
 def test_shards_of_another_dataset_stop_with_one_line(tmp_path: Path,

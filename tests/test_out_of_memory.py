@@ -246,3 +246,27 @@ def test_a_torchrun_launch_where_one_rank_runs_out_goes_on_with_every_rank_halve
     summary = read_summary(run_dir)
     assert summary["steps"] == 4 and summary["micro_batch_size"] == 8
     assert [(record["step"], record["ranks"]) for record in summary["out_of_memory"]] == [(2, [1])]
+
+
+def test_the_gpu_decoder_running_out_of_memory_is_the_runs_to_handle(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.decode=gpu (run on the CPU here), nvjpeg out of memory in the first step's batch: not a file
+    to decode again one by one, then on the CPU, but the step's error, which trainer.out_of_memory=halve
+    redoes with half the micro-batch."""
+    from common.data.device_input import DeviceTrainInput
+
+    decode, calls = DeviceTrainInput.decode_on_device, []
+
+    def runs_out_once(self: DeviceTrainInput, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        calls.append(len(pieces))
+        if len(calls) == 2:  # the first training batch (the first call checks the decoder at start-up)
+            raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+        return decode(self, pieces)
+
+    monkeypatch.setattr(DeviceTrainInput, "decode_on_device", runs_out_once)
+    b = CASES["timm_imagenet"][0]
+    seen = probe("timm_imagenet", configs_of("timm_imagenet", tmp_path_factory)("data.decode=gpu"), steps=None)
+    assert seen.error is None, seen.error
+    assert calls[:3] == [1, b, b // 2], "the step again with half the micro-batch, decoded as a batch"
+    assert seen.summary["out_of_memory"] == [{"step": 1, "ranks": [0], "micro_batch_size": b // 2,
+                                              "found_on": "cpu x 1 rank"}]

@@ -723,7 +723,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "shard-cache-unbounded", "common/data/shards.py",
-        "                self._streaming._on_demand_bytes = False", "                pass",
+        "                streaming._on_demand_bytes = False", "                pass",
         (f"{SOURCES}test_a_remote_is_read_through_a_node_local_cache_bounded_by_its_limit",),
         "reading a remote fills the node's disk with every chunk whatever data.shards.cache_limit says",
     ),
@@ -756,5 +756,61 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_local_slurm.py::test_a_port_another_starting_cluster_claimed_is_not_picked",),
         "the one-node and two-node test clusters, started at once on two xdist workers, take the same slurmctld "
         "port and one of them fails to start",
+    ),
+    # ---- issue 42: shards, file lists and data.decode=auto on a GPU cluster
+    Mutation(
+        "shard-reader-shared-with-forked-workers", "common/data/shards.py",
+        "        if self._streaming is None or self._streaming_pid != os.getpid():",
+        "        if self._streaming is None:",
+        (f"{SOURCES}test_chunks_the_main_process_never_read_are_read_by_the_forked_workers_after_decode_auto_measured",),
+        "with data.decode=auto on a GPU, rank 0's loader workers wait 120 s for each chunk of a remote shard set "
+        "and the run dies with a traceback",
+    ),
+    Mutation(
+        "rebuilt-list-waiters-stop-on-the-damaged-one", "common/data/file_index.py",
+        "                try:\n                    index = FileIndex.load(path)\n                except UserError:\n"
+        "                    continue\n",
+        "                index = FileIndex.load(path)\n",
+        (f"{SOURCES}test_on_two_ranks_local_rank_0_lists_and_the_other_waits_for_that_list[a damaged list]",),
+        "data.rebuild_index=true on several ranks per node stops with the line that asks for data.rebuild_index=true",
+    ),
+    Mutation(
+        "decode-auto-measures-the-full-batch", "recipes/timm_imagenet/train.py",
+        "device, micro_batch=run.micro_batch,", "device, micro_batch=cfg.trainer.batch_size,",
+        ("tests/test_decode_choice.py::"
+         "test_a_resumed_run_whose_checkpoint_holds_no_choice_measures_the_model_at_its_halved_micro_batch",),
+        "a run requeued onto a smaller GPU runs out of memory in data.decode=auto's measurement, before it can halve",
+    ),
+    Mutation(
+        "decode-auto-measurement-stops-on-out-of-memory", "common/data/decode_choice.py",
+        "                except torch.OutOfMemoryError:\n                    model.zero_grad(set_to_none=True)",
+        "                except ValueError:\n                    model.zero_grad(set_to_none=True)",
+        ("tests/test_decode_choice.py::"
+         "test_a_model_that_runs_out_of_memory_is_measured_with_half_the_batch_and_left_as_it_was",),
+        "a config tuned on a bigger GPU stops in data.decode=auto's measurement instead of training with halved "
+        "micro-batches",
+    ),
+    Mutation(
+        "gpu-decoder-hides-out-of-memory", "common/data/device_input.py",
+        "            return self.decode_on_device(pieces)\n        except torch.OutOfMemoryError:\n            raise\n",
+        "            return self.decode_on_device(pieces)\n",
+        ("tests/test_out_of_memory.py::test_the_gpu_decoder_running_out_of_memory_is_the_runs_to_handle",),
+        "under memory pressure every step decodes image by image, then on the CPU, and trainer.out_of_memory=halve "
+        "never sees it",
+    ),
+    Mutation(
+        "decode-choice-not-kept-on-resume", "recipes/timm_imagenet/train.py",
+        "                                 resumed=progress.decode)", "                                 resumed=\"\")",
+        ("tests/test_decode_choice.py::"
+         "test_a_resume_decodes_as_the_run_began_and_ends_with_the_digest_of_an_uninterrupted_run",),
+        "a run requeued onto another node decodes the other way, draws other augmentations, and no longer ends "
+        "with the digest of an uninterrupted run",
+    ),
+    Mutation(
+        "stage-to-local-with-shards-ignored", "recipes/timm_imagenet/train.py",
+        "    if cfg.data.stage_to_local and cfg.data.format == DataFormat.shards:",
+        "    if False:",
+        (f"{SOURCES}test_staging_shards_to_local_disk_is_refused_in_one_line",),
+        "data.stage_to_local=true with shards copies nothing, without a word",
     ),
 ]

@@ -73,6 +73,8 @@ class DeviceTrainInput:
         Image.new("RGB", (8, 8)).save(jpeg, "JPEG")
         try:
             self.decode_on_device([torch.frombuffer(bytearray(jpeg.getvalue()), dtype=torch.uint8)])
+        except torch.OutOfMemoryError:
+            raise  # a full GPU, not a missing decoder
         except Exception as error:  # a removed decoder may raise anything from AttributeError to RuntimeError
             raise UserError(f"data.decode=gpu: torchvision {torchvision.__version__} cannot decode JPEGs on "
                             f"{self.device} ({str(error).splitlines()[0]}); use data.decode=cpu") from error
@@ -114,17 +116,24 @@ class DeviceTrainInput:
         return crops
 
     def decode_jpegs(self, pieces: list[torch.Tensor], paths: list[str]) -> list[torch.Tensor]:
-        """Decode a batch on the device; on failure one at a time: refused files on the CPU, undecodable ones named."""
+        """Decode a batch on the device; on failure one at a time: refused files on the CPU, undecodable ones named.
+
+        Running out of memory is not a refused file: ``torch.OutOfMemoryError`` goes to the run
+        (``trainer.out_of_memory``), as it would from the forward pass."""
         if not pieces:
             return []
         try:
             return self.decode_on_device(pieces)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError:
             return [self.decode_one(piece, path) for piece, path in zip(pieces, paths)]
 
     def decode_one(self, piece: torch.Tensor, path: str) -> torch.Tensor:
         try:
             return self.decode_on_device([piece])[0]
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError:
             pixels = decode(piece.numpy(), path)
             return torch.from_numpy(pixels).to(self.device).permute(2, 0, 1)

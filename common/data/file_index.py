@@ -201,8 +201,9 @@ def load_or_build(root: Path, beside_data: Path, run_dir: Path, make: Callable[[
     """The saved list of a split and where it is, checked against ``root``.
 
     - ``make`` builds it when there is none or ``rebuild`` asks; then it is saved (:func:`save`).
-    - Collective: local rank 0 of each node builds while the others poll for the file, so no
-      collective times out while a million headers are read.
+    - Collective: local rank 0 of each node builds while the others poll for the list it saves (made
+      by this start: a damaged or older file there is passed over), so no collective times out
+      while a million headers are read.
     - ``fix``: the prep command named in the ``UserError`` a changed tree stops with.
     """
     token = broadcast_object(secrets.token_hex(8))  # names a list built by this start
@@ -221,7 +222,7 @@ def load_or_build(root: Path, beside_data: Path, run_dir: Path, make: Callable[[
         index.info["token"] = token
         return index, save(index, paths)
     checked: dict[Path, tuple[int, int]] = {}  # each file as it was when last read: read again once replaced
-    while True:  # another rank of this node builds it
+    while True:  # local rank 0 builds it; a file there before (damaged, or an older list) is not the one to wait for
         for path in reversed(paths):
             try:
                 stat = path.stat()
@@ -229,7 +230,10 @@ def load_or_build(root: Path, beside_data: Path, run_dir: Path, make: Callable[[
                 continue
             if checked.get(path) != (stat.st_ino, stat.st_mtime_ns):
                 checked[path] = (stat.st_ino, stat.st_mtime_ns)
-                index = FileIndex.load(path)
+                try:
+                    index = FileIndex.load(path)
+                except UserError:
+                    continue
                 if index.info.get("token") == token:
                     return index, path
         time.sleep(poll_seconds)

@@ -3,11 +3,12 @@
 - :class:`PerSampleSeeded`: each sample's randomness depends on ``(seed, epoch, index)`` only, not on
   the worker seeds PyTorch draws when an iterator is made (a resumed run makes it at another moment).
 - :func:`leave_stop_signals_to_the_rank`: a stop signal sent to the whole process group is the rank's.
-- :func:`split_micro_batch`: a batch cut into micro-batches.
+- :func:`split_micro_batch`: a batch cut into micro-batches; :func:`halved`: the next one's size.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -129,6 +130,11 @@ def _loader(dataset: Dataset, num_workers: int, pin_memory: bool, collate_fn: Ca
         worker_init_fn=leave_stop_signals_to_the_rank if num_workers > 0 else None,
         **batching,
     )
+
+
+def halved(size: int) -> int:
+    """A micro-batch after one more out-of-memory error: half, rounded up."""
+    return math.ceil(size / 2)
 
 
 def split_micro_batch(batch: Any, size: int) -> list[Any]:

@@ -135,7 +135,11 @@ class ShardImages(Dataset):
       chunks are local, every chunk's size. Raises ``UserError`` naming ``fix`` (the command that
       writes the set) on any mismatch.
     - ``label_columns``: the columns of ``[K]`` labels to return.
-    - Each DataLoader worker opens litdata's reader again on its first sample.
+    - A reader belongs to the process that made it: a forked DataLoader worker (or any child) opens
+      its own on its first sample. Why: litdata's reader fetches chunks in a thread of the process
+      that first read through it, and a fork copies the reader without that thread, so every chunk
+      the parent had not fetched would be waited for until litdata gives up (``data.decode=auto``
+      reads samples in the main process before the workers start).
     """
 
     def __init__(self, location: str, cache_dir: str, cache_limit: str, expect: dict[str, Any], fix: str,
@@ -147,7 +151,8 @@ class ShardImages(Dataset):
         folder = local_folder(location)
         if folder is not None and not (folder / INDEX_FILE).is_file():
             raise UserError(f"{folder} holds no shard set (no {INDEX_FILE}): write one with `{fix}`")
-        self._streaming = None
+        self._streaming: Any = None
+        self._streaming_pid = 0  # the process self._streaming belongs to
         try:
             listing = json.loads(Path(self.streaming().input_dir.path, INDEX_FILE).read_text())
         except (OSError, ValueError, RuntimeError) as error:  # what litdata raises for a remote it cannot read
@@ -188,19 +193,19 @@ class ShardImages(Dataset):
                                 f"again with `{self.fix}`")
 
     def streaming(self) -> Any:
-        """litdata's reader for this process (made on first use; workers make their own)."""
-        if self._streaming is None:
+        """litdata's reader for this process: made on first use in each process (see the class)."""
+        if self._streaming is None or self._streaming_pid != os.getpid():
             from litdata import StreamingDataset
 
             if self.url is None:
-                self._streaming = StreamingDataset(self.location)
+                streaming = StreamingDataset(self.location)
             else:
-                self._streaming = StreamingDataset(self.url, cache_dir=self.cache_dir,
-                                                   max_cache_size=self.cache_limit)
+                streaming = StreamingDataset(self.url, cache_dir=self.cache_dir, max_cache_size=self.cache_limit)
                 # Whole chunks through the bounded cache. litdata's default for reads by index
                 # fetches each sample's bytes alone: for a local: remote that copies every chunk
                 # into the cache and never evicts one.
-                self._streaming._on_demand_bytes = False
+                streaming._on_demand_bytes = False
+            self._streaming, self._streaming_pid = streaming, os.getpid()
         return self._streaming
 
     def __getstate__(self) -> dict[str, Any]:

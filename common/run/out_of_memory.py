@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from common.config import TrainerConfig
+from common.data.loaders import halved
 from common.errors import UserError
 from common.pytorch import distributed
 from common.pytorch.distributed import DistInfo, all_reduce_gradients
@@ -38,11 +39,6 @@ from common.records import heartbeat
 from common.records.profiling import out_of_memory_error
 from common.run.progress import Progress
 from common.run.steps import MicroBatches
-
-
-def halved(size: int) -> int:
-    """The micro-batch after one more out-of-memory error: half, rounded up."""
-    return math.ceil(size / 2)
 
 
 def device_description(device: torch.device, world_size: int) -> str:

@@ -32,6 +32,9 @@ class Progress:
     micro_batch_size: int = 0
     micro_batch_found_on: str = ""
     out_of_memory: list[dict[str, Any]] = field(default_factory=list)
+    # Where the training images are decoded ("cpu", "gpu"; "" in recipes without the choice): a resume under
+    # data.decode=auto decodes as the run began, so that it draws the same augmentations.
+    decode: str = ""
 
     def describe(self) -> str:
         """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""

@@ -183,21 +183,10 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
         for block in residual_blocks(model.backbone):
             block.forward = compile_static(block.forward)
 
-    # ---- loaders: workers draw each sample's augmentation, seeded per (seed, epoch, index), and
-    # decode and crop it (data.decode=cpu) or leave that to the device (gpu); normalised on the device
+    # ---- sampler and steps ------------------------------------------------------------------------
     sampler = ResumableDistributedSampler(len(train_files.images), dist_info.rank, dist_info.world_size,
                                           seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
     plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.keep)
-    augmentation = train_augmentation(cfg.data)
-    decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_files.images,
-                                 cfg.data.draft_decode, model, cfg.data.image_size, device)  # auto measures both sides
-    train_images = PerSampleSeeded(TrainImages(train_files.images, augmentation, decode.decode, cfg.data.draft_decode),
-                                   cfg.seed)
-    # Own generator: creating an iterator must not draw from the global RNG that drop path uses.
-    train_loader = make_train_loader(train_images, plan.epoch_batches(), cfg.trainer.num_workers, device.type == "cuda",
-                                     collate_fn=collate_train, generator=torch.Generator())
-    train_input = DeviceTrainInput(augmentation, decode.decode, *input_normalization(cfg.model, cfg.data.image_size),
-                                   device)
 
     # ---- optimization: LR rule, layer-wise groups, schedule ---------------------------------
     lr = scaled_lr(cfg.optim.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
@@ -214,6 +203,22 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
                       scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled)
     progress = run.resume()
+
+    # ---- loaders: workers draw each sample's augmentation, seeded per (seed, epoch, index), and decode and
+    # crop it (data.decode=cpu) or leave that to the device (gpu); normalised on the device. data.decode=auto
+    # measures both sides at the micro-batch in use, or keeps the choice the resumed checkpoint holds
+    augmentation = train_augmentation(cfg.data)
+    decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_files.images,
+                                 cfg.data.draft_decode, model, cfg.data.image_size, device, micro_batch=run.micro_batch,
+                                 resumed=progress.decode)
+    progress.decode = decode.decode.value
+    train_images = PerSampleSeeded(TrainImages(train_files.images, augmentation, decode.decode, cfg.data.draft_decode),
+                                   cfg.seed)
+    # Own generator: creating an iterator must not draw from the global RNG that drop path uses.
+    train_loader = make_train_loader(train_images, plan.epoch_batches(), cfg.trainer.num_workers, device.type == "cuda",
+                                     collate_fn=collate_train, generator=torch.Generator())
+    train_input = DeviceTrainInput(augmentation, decode.decode, *input_normalization(cfg.model, cfg.data.image_size),
+                                   device)
     splits = [train_files, *(evaluate.files for evaluate in evaluators.values())]
     for files in splits:
         run.console(f"{files.name}: {files.origin}")

@@ -132,6 +132,10 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     # ---- data: the tree's saved file lists (checked, or made once), optionally copied to node-local
     # disk with them; or the splits' shards ---------------------------------------------------------
     root = Path(cfg.data.root)
+    if cfg.data.stage_to_local and cfg.data.format == DataFormat.shards:
+        raise UserError("data.stage_to_local=true copies data.root's loose files, which data.format=shards does not "
+                        "read: drop it, and give shards on a shared filesystem as a remote (data.shards.root="
+                        "file:///path), read through the node-local cache data.shards.cache_dir")
     if cfg.data.format == DataFormat.files:
         check_layout(root, cfg.data.train_split, cfg.data.val_split)
         if cfg.data.stage_to_local:
@@ -152,11 +156,6 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     train_config = resolve(model, cfg.data.train_size, 0.0, cfg.data.interpolation)
     eval_config = resolve(model, cfg.data.eval_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
     augmentation = train_augmentation(cfg.data, train_config)
-    decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_source, cfg.data.draft_decode,
-                                 model, train_config["input_size"][-1], device)  # data.decode=auto measures both sides
-    train_images = TrainImages(train_source, augmentation, decode.decode, cfg.data.draft_decode)
-    train_input = DeviceTrainInput(augmentation, decode.decode, train_config["mean"], train_config["std"], device,
-                                   random_erasing(cfg.data, device))
     if cfg.ema.enabled and cfg.fsdp.enabled:
         raise UserError("ema.enabled keeps a whole copy of the weights on every rank, which fsdp.enabled shards: "
                         "turn one of them off")
@@ -167,21 +166,19 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
         for block in residual_blocks(model):
             block.forward = compile_static(block.forward)
 
-    # ---- samplers, loaders, steps: full micro-batches only, as in timm (BatchNorm) -------------
+    # ---- samplers and steps: full micro-batches only, as in timm (BatchNorm) --------------------
     mixing = cfg.mixup.mixup_alpha > 0 or cfg.mixup.cutmix_alpha > 0
     if mixing and cfg.trainer.batch_size % 2:
         raise UserError(f"Mixup/CutMix need an even trainer.batch_size, not {cfg.trainer.batch_size}")
     if cfg.data.repeated_augmentation > 1:
         sampler: ResumableDistributedSampler = RepeatedAugmentationSampler(
-            len(train_images), cfg.data.repeated_augmentation, dist_info.rank, dist_info.world_size,
+            len(train_source), cfg.data.repeated_augmentation, dist_info.rank, dist_info.world_size,
             seed=cfg.seed, selected_round=cfg.data.ra_selected_round,
         )
     else:
-        sampler = ResumableDistributedSampler(len(train_images), dist_info.rank, dist_info.world_size,
+        sampler = ResumableDistributedSampler(len(train_source), dist_info.rank, dist_info.world_size,
                                               seed=cfg.seed, shuffle=True, drop_last=True, yield_epoch=True)
     plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.drop_partial_batch)
-    train_loader = make_train_loader(PerSampleSeeded(train_images, cfg.seed), plan.epoch_batches(),
-                                     cfg.trainer.num_workers, device.type == "cuda", collate_fn=collate_train)
 
     # ---- optimization: LR rule, timm optimizer and schedule, Mixup, loss -----------------------
     lr = scaled_lr(cfg.optim.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
@@ -211,6 +208,18 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
                       scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled,
                       extra_state={"ema": ema.module} if ema is not None else None)
     progress = run.resume()
+
+    # ---- the input pipeline: decoded in the loader workers or on the device. data.decode=auto measures both
+    # sides at the micro-batch in use, or keeps the choice the resumed checkpoint holds ---------------------
+    decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_source, cfg.data.draft_decode,
+                                 model, train_config["input_size"][-1], device, micro_batch=run.micro_batch,
+                                 resumed=progress.decode)
+    progress.decode = decode.decode.value
+    train_images = TrainImages(train_source, augmentation, decode.decode, cfg.data.draft_decode)
+    train_loader = make_train_loader(PerSampleSeeded(train_images, cfg.seed), plan.epoch_batches(),
+                                     cfg.trainer.num_workers, device.type == "cuda", collate_fn=collate_train)
+    train_input = DeviceTrainInput(augmentation, decode.decode, train_config["mean"], train_config["std"], device,
+                                   random_erasing(cfg.data, device))
     run.console(
         f"timm_imagenet: {cfg.model.name}, {num_classes} classes, train: {train_origin}\n"
         f"  train {describe_input(train_config, with_crop=False)} decoded on {decode.decode.value}, eval "
