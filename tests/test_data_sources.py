@@ -373,7 +373,8 @@ def test_staging_shards_to_local_disk_is_refused_in_one_line(tmp_path: Path,
     """data.stage_to_local copies loose files; with shards it would be ignored without a word."""
     trained_runs.imagenet_shards(tmp_path_factory)
     configs = Configs(TIMM, tmp_path, tiny_settings(TIMM, tmp_path_factory))
-    seen = probe(TIMM, configs("data.format=shards", "data.stage_to_local=true", f"data.stage_dir={tmp_path / 'stage'}"))
+    seen = probe(TIMM, configs("data.format=shards", "data.stage_to_local=true",
+                               f"data.stage_dir={tmp_path / 'stage'}"))
     assert seen.error == ("data.stage_to_local=true copies data.root's loose files, which data.format=shards does not "
                           "read: drop it, and give shards on a shared filesystem as a remote (data.shards.root="
                           "file:///path), read through the node-local cache data.shards.cache_dir")
