@@ -602,6 +602,28 @@ def check_decode_under_load(work: Path, figures: list[Result]) -> str:
     return f"20 decodes with work queued: images and work intact; nvjpeg vs CPU decode {worst:.2f} grey levels"
 
 
+def check_copied_ahead() -> str:
+    """``copied_ahead`` (the next batch's copy on a side stream while the step before trains): with a
+    long product queued on the training stream after each batch is handed out, every batch arrives
+    whole, in order, and the product is intact; the copy of batch i + 1 is queued before batch i is
+    used, so the host never waits for the training stream."""
+    from common.data.loaders import copied_ahead
+
+    device = torch.device("cuda")
+    batches = [torch.full((256, 3, 224, 224), i, dtype=torch.uint8).pin_memory() for i in range(12)]
+    operand = torch.randn(8192, 8192, device=device)
+    expected = (operand @ operand).sum(0).cpu()
+    bad_batches = bad_work = 0
+    for i, batch in enumerate(copied_ahead(iter(batches), lambda b: b.to(device, non_blocking=True), device)):
+        result = (operand @ operand).sum(0)  # tens of milliseconds queued after the batch was handed out
+        bad_batches += not bool((batch == i).all())
+        bad_work += not torch.equal(result.cpu(), expected)
+    if bad_batches or bad_work:
+        raise CheckFailed(f"copies on the side stream corrupted {bad_batches} batches and the queued work "
+                          f"{bad_work} times in {len(batches)}")
+    return f"{len(batches)} batches of 38.5 MB copied ahead under a queued 8192^3 product: all intact"
+
+
 def peak_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
 
@@ -753,6 +775,8 @@ def run_everything(report: Report, device_name: str, work: Path, compile_too: bo
                      lambda: check_nvjpeg(work / "jpegs"))
         report.timed("data.decode=gpu: nvjpeg with work queued on the stream, images and work intact",
                      lambda: check_decode_under_load(work / "jpegs_under_load", report.figures))
+        report.timed("the next batch copied on a side stream while the step before trains, intact",
+                     check_copied_ahead)
     if not figures_too:
         return
     device = torch.device(device_name)

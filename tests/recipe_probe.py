@@ -223,7 +223,7 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
         nonfinite_fired.append(step)
         return _made_nan(output)
 
-    def steps_of(run: TrainingRun, micro_batches: Any) -> Iterator[Any]:
+    def steps_of(run: TrainingRun, micro_batches: Any, to_device: Any = None) -> Iterator[Any]:
         if seen.micro_batches is None:
             seen.micro_batches = micro_batches
             if steps == 0:
@@ -245,7 +245,7 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
         if isinstance(micro_batches, tuple):  # an in-memory recipe's index tensors
             seen.indices += [batch.tolist() for batch in micro_batches]
         seen.stepping = True
-        groups = originals["steps"](run, micro_batches)
+        groups = originals["steps"](run, micro_batches, to_device)
         try:
             for group in groups:
                 handed_out[run.progress.step + 1] = handed_out.get(run.progress.step + 1, 0) + 1

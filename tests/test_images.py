@@ -23,7 +23,7 @@ from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import functional as tvf
 
 from common.config import Decode
-from common.data.device_input import DeviceTrainInput
+from common.data.device_input import DeviceTrainInput, colour_jitter
 from common.data.images import (
     CropBox,
     PathImages,
@@ -251,8 +251,7 @@ def test_colour_jitter_on_the_device_is_torchvision_s_per_sample() -> None:
     images = torch.randint(0, 256, (6, 3, 16, 16), generator=generator).float()
     params = torch.stack([torch.cat([torch.rand(3, generator=generator) * 0.8 + 0.6,
                                      torch.randperm(4, generator=generator).float()]) for _ in range(6)])
-    jittered = DeviceTrainInput(TrainAugmentation(size=16), Decode.cpu, (0.5,) * 3, (0.5,) * 3,
-                                CPU).colour_jitter(images.clone(), params)
+    jittered = colour_jitter(images.clone(), params)
     adjust = {0: tvf.adjust_brightness, 1: tvf.adjust_contrast, 2: tvf.adjust_saturation}
     for image, sample_params, result in zip(images, params, jittered):
         expected = image / 255
@@ -260,6 +259,51 @@ def test_colour_jitter_on_the_device_is_torchvision_s_per_sample() -> None:
             if op in adjust:
                 expected = adjust[op](expected, float(sample_params[op]))
         torch.testing.assert_close(result / 255, expected, rtol=0, atol=1e-5)
+
+
+class BytesMoved(TorchDispatchMode):
+    """Adds up the bytes of every operator's tensor inputs and outputs (what each reads and writes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (PyTorch's protocol)
+        result = func(*args, **(kwargs or {}))
+        tensors = [value for value in torch.utils._pytree.tree_leaves((args, kwargs, result))
+                   if isinstance(value, torch.Tensor)]
+        self.bytes += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        return result
+
+
+def test_the_device_input_reads_and_writes_the_batch_at_most_four_times_once_compiled() -> None:
+    """model_pixels (colour jitter, normalisation, float32, channels-last) as a GPU runs it, compiled by
+    Inductor (its CPU backend here): the bytes its kernels read and write, in Inductor's own count, are at
+    most 4 fp32 batches, and at least the uint8 batch read once and the fp32 batch written once. Eagerly,
+    op by op, it is over 100. The compiled pixels are the eager ones to float rounding."""
+    from torch._inductor import metrics
+
+    from common.data.device_input import model_pixels
+
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=generator)
+    jitter = torch.stack([torch.cat([torch.rand(3, generator=generator) * 0.8 + 0.6,
+                                     torch.randperm(4, generator=generator).float()]) for _ in range(8)])
+    mean, std = torch.tensor([124.0, 116.0, 104.0]).view(1, 3, 1, 1), torch.tensor([58.0, 57.0, 57.0]).view(1, 3, 1, 1)
+    batch_bytes = images.numel() * 4
+    with BytesMoved() as eager_count:
+        eager = model_pixels(images, jitter, mean, std, True)
+    torch._logging.set_logs(inductor_metrics=True)  # Inductor counts its kernels' bytes only then
+    try:
+        metrics.reset()
+        compiled = torch.compile(model_pixels)(images, jitter, mean, std, True)
+        passes = metrics.num_bytes_accessed / batch_bytes
+    finally:
+        torch._logging.set_logs()
+    assert eager_count.bytes / batch_bytes > 100
+    assert 1.25 <= passes <= 4, f"{passes:.2f} passes over the fp32 batch"
+    assert compiled.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
 
 
 # ---- workers ----------------------------------------------------------------------------------------

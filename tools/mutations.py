@@ -53,13 +53,14 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "timm-augmentation-seeded-by-step-of-this-process", "recipes/timm_imagenet/train.py",
-        "        for group in run.steps(train_loader):  # one optimizer step per group of micro-batches\n"
+        "        for group in run.steps(train_loader, train_input.to_device):  # one optimizer step per group of"
+        " micro-batches\n"
         "            with group:  # out of memory in here: trainer.out_of_memory=halve hands the step out again,"
         " halved\n"
         "                # timm's Mixup draws from NumPy's global generator and drop path from torch's: seeded per"
         " step.\n"
         "                with seeded_global_rng(cfg.seed, progress.step, dist_info.rank):",
-        "        for steps_here, group in enumerate(run.steps(train_loader)):\n"
+        "        for steps_here, group in enumerate(run.steps(train_loader, train_input.to_device)):\n"
         "            with group:\n"
         "                with seeded_global_rng(cfg.seed, steps_here, dist_info.rank):",
         (f"tests/test_timm_imagenet.py::{CHAIN}[2-SIGUSR1]",),
@@ -571,8 +572,8 @@ MUTATIONS: list[Mutation] = [
     # ---- issue 38: memory (trainer.out_of_memory=halve, trainer.activation_checkpointing) ------------
     Mutation(
         "retry-forgets-the-samples", "common/run/training_run.py",
-        "plan.groups(self._epoch_source(micro_batches), keep=halving.halves)",
-        "plan.groups(self._epoch_source(micro_batches), keep=False)",
+        "plan.groups(self._epoch_source(micro_batches, to_device), keep=halving.halves)",
+        "plan.groups(self._epoch_source(micro_batches, to_device), keep=False)",
         (f"{REDONE}[fashion_mnist]", f"{REDONE}[timm_imagenet]"),
         "a step that ran out of memory is redone on the next batches: some samples are skipped, others seen twice",
     ),
@@ -812,5 +813,15 @@ MUTATIONS: list[Mutation] = [
         "    if False:",
         (f"{SOURCES}test_staging_shards_to_local_disk_is_refused_in_one_line",),
         "data.stage_to_local=true with shards copies nothing, without a word",
+    ),
+    # ---- issue 43: the device-side input in a few passes over the batch, its copy overlapping the step before
+    Mutation(
+        "device-input-reads-the-channels-back", "common/data/device_input.py",
+        "    return red * _GREY_WEIGHTS[0] + green * _GREY_WEIGHTS[1] + blue * _GREY_WEIGHTS[2]",
+        "    return (torch.cat([red, green, blue], 1) * torch.tensor(_GREY_WEIGHTS).view(1, 3, 1, 1))"
+        ".sum(1, keepdim=True)",
+        ("tests/test_images.py::test_the_device_input_reads_and_writes_the_batch_at_most_four_times_once_compiled",),
+        "the compiled colour jitter writes the batch out and reads it back at every op: milliseconds of every GPU "
+        "step",
     ),
 ]

@@ -2,7 +2,10 @@
 
 - ``data.decode=gpu``: nvjpeg decodes, ``roi_align`` crops and resizes, the per-sample policy runs
   batched (:func:`common.data.auto_augment.batch_policy`).
-- Both paths: colour jitter, normalisation and batch augmentation on the device, once per batch.
+- Both paths: colour jitter, normalisation, dtype and memory format in one function
+  (:func:`model_pixels`), compiled on a GPU into two passes over the uint8 batch; then batch
+  augmentation. The next batch's copy to the device starts while the current one trains
+  (:meth:`DeviceTrainInput.to_device`, which ``TrainingRun.steps`` runs one batch ahead).
 - The workers' side (crop boxes, CPU decode, what the worker hands over): ``common/data/images.py``.
 """
 
@@ -25,6 +28,7 @@ from common.data.images import TrainAugmentation, check_size, decode
 from common.errors import UserError
 
 _GREY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
+BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)  # the ops of a colour jitter draw's order (hue: not drawn, a no-op)
 
 
 def gpu_decode_unsupported(augmentation: TrainAugmentation) -> str | None:
@@ -44,11 +48,15 @@ class DeviceTrainInput:
     - ``decode=gpu``: decoding, crop, flip and the per-sample policy here; then for both colour jitter,
       normalisation (``mean``, ``std``) and ``batch_augmentation`` (e.g. random erasing) on the batch.
     - ``decode`` must be resolved (not ``auto``: ``ValueError``).
+    - ``channels_last``: the model's input in that memory format (``trainer.channels_last``), written so.
+    - On a GPU :func:`model_pixels` is compiled (``torch.compile``) at the first batch, and again for a
+      new batch size (a halved micro-batch).
     """
 
     def __init__(self, augmentation: TrainAugmentation, decode: Decode, mean: Sequence[float],
                  std: Sequence[float], device: torch.device,
-                 batch_augmentation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 batch_augmentation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 channels_last: bool = False) -> None:
         self.augmentation = augmentation
         self.decode = Decode(decode)
         if self.decode == Decode.auto:
@@ -56,7 +64,8 @@ class DeviceTrainInput:
         self.device = device
         self.normalize = Normalize(mean, std, device)
         self.batch_augmentation = batch_augmentation
-        self.grey_weights = torch.tensor(_GREY_WEIGHTS, device=device).view(1, 3, 1, 1)
+        self.channels_last = channels_last
+        self.model_pixels = torch.compile(model_pixels) if device.type == "cuda" else model_pixels
         self.decode_stream = torch.cuda.Stream(device) if self.decode == Decode.gpu and device.type == "cuda" else None
         if self.decode == Decode.gpu:
             unsupported = gpu_decode_unsupported(augmentation)
@@ -81,11 +90,19 @@ class DeviceTrainInput:
 
     def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
         images = self.crops_on_device(batch) if self.decode == Decode.gpu else batch["image"]
-        images = images.to(self.device, non_blocking=True).float()
-        if "jitter" in batch:
-            images = self.colour_jitter(images, batch["jitter"].to(self.device, non_blocking=True))
-        images = self.normalize(images)
+        jitter = batch["jitter"].to(self.device, non_blocking=True) if "jitter" in batch else None
+        images = self.model_pixels(images.to(self.device, non_blocking=True), jitter, self.normalize.mean,
+                                   self.normalize.std, self.channels_last)
         return self.batch_augmentation(images) if self.batch_augmentation is not None else images
+
+    def to_device(self, batch: tuple[dict[str, Any], torch.Tensor]) -> tuple[dict[str, Any], torch.Tensor]:
+        """A loader batch (inputs, labels) with what this side reads on the device copied there
+        (without waiting): the images (``decode=cpu``; nvjpeg reads file bytes from the host), the
+        jitter and flip draws, the labels."""
+        inputs, labels = batch
+        moved = {key: value.to(self.device, non_blocking=True) for key, value in inputs.items()
+                 if key in ("jitter", "flip") or (key == "image" and self.decode == Decode.cpu)}
+        return type(inputs)({**inputs, **moved}), labels.to(self.device, non_blocking=True)
 
     def crops_on_device(self, batch: dict[str, Any]) -> torch.Tensor:
         """uint8 ``[B, 3, S, S]``: the batch decoded, cropped, resized, flipped and augmented."""
@@ -185,16 +202,66 @@ class DeviceTrainInput:
         return torch.cat([kernel(region[None].float(), rois[i : i + 1], 1.0, size, size, -1, True)
                           for i, region in enumerate(regions)])
 
-    def colour_jitter(self, images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-        """torchvision's ColorJitter on 0-255 floats, each sample with its own factors and order."""
-        factors = params[:, :3].view(-1, 3, 1, 1, 1)
-        brightness, contrast, saturation = factors.unbind(1)
-        for position in range(4):
-            step = params[:, 3 + position].view(-1, 1, 1, 1)
-            grey = (images * self.grey_weights).sum(1, keepdim=True)
-            adjusted = torch.where(step == 0, images * brightness, images)
-            adjusted = torch.where(step == 1, contrast * images + (1 - contrast) * grey.mean((2, 3), keepdim=True),
-                                   adjusted)
-            adjusted = torch.where(step == 2, saturation * images + (1 - saturation) * grey, adjusted)
-            images = adjusted.clamp_(0, 255)
-        return images
+
+
+def model_pixels(images: torch.Tensor, jitter: torch.Tensor | None, mean: torch.Tensor, std: torch.Tensor,
+                 channels_last: bool) -> torch.Tensor:
+    """uint8 ``[B, 3, S, S]`` on the device to the model's input: colour jitter (``jitter``: each sample's
+    draw, or None), ``(x - mean) / std`` (on the 0-255 scale), float32, channels-last if asked.
+
+    Written so that ``torch.compile`` fuses it into a reduction (the contrast op's means) and one
+    elementwise pass, each reading the uint8 batch once: about 3 passes over the fp32 batch in all,
+    counted in tests/test_images.py (eagerly it is about 135)."""
+    images = images.float()
+    if jitter is not None:
+        images = colour_jitter(images, jitter)
+    images = (images - mean) / std
+    return images.contiguous(memory_format=torch.channels_last) if channels_last else images
+
+
+def colour_jitter(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """torchvision's ColorJitter (brightness, contrast, saturation) on 0-255 float ``[B, 3, H, W]``,
+    each sample with its own factors and order (``params``: ``common.data.images``' draw, ``[B, 7]``).
+
+    - Each op is ``clamp(alpha * x + beta * grey(x) + gamma, 0, 255)`` per channel, with the sample's
+      ``alpha``, ``beta``, ``gamma`` at that position (:func:`_jitter_coefficients`); each channel is a
+      plane of its own, so a compiled chain reads its neighbours' values without writing them out.
+    - Contrast blends with the mean grey of the image as the ops before it leave it: those means are
+      computed first, from the input, over the ops before each sample's contrast.
+    """
+    channels = tuple(images[:, channel : channel + 1] for channel in range(3))
+    order = params[:, 3:]
+    contrast_at = (order == CONTRAST).int().argmax(1, keepdim=True)
+    before_contrast = torch.where(torch.arange(4, device=params.device) < contrast_at, order, float(HUE))
+    grey = _grey(_jitter_chain(channels, _jitter_coefficients(params, before_contrast, 0.0)))
+    jittered = _jitter_chain(channels, _jitter_coefficients(params, order, grey.mean((2, 3), keepdim=True)))
+    return torch.cat(jittered, 1)
+
+
+def _grey(channels: Sequence[torch.Tensor]) -> torch.Tensor:
+    red, green, blue = channels
+    return red * _GREY_WEIGHTS[0] + green * _GREY_WEIGHTS[1] + blue * _GREY_WEIGHTS[2]
+
+
+def _jitter_coefficients(params: torch.Tensor, order: torch.Tensor,
+                         contrast_mean: torch.Tensor | float) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per position, each sample's ``(alpha, beta, gamma)``, ``[B, 1, 1, 1]`` each: brightness ``(b, 0, 0)``,
+    contrast ``(c, 0, (1 - c) * mean)``, saturation ``(s, 1 - s, 0)``, anything else ``(1, 0, 0)``."""
+    brightness, contrast, saturation = (params[:, i].view(-1, 1, 1, 1) for i in range(3))
+    coefficients = []
+    for position in range(4):
+        op = order[:, position].view(-1, 1, 1, 1)
+        alpha = torch.where(op == BRIGHTNESS, brightness,
+                            torch.where(op == CONTRAST, contrast, torch.where(op == SATURATION, saturation, 1.0)))
+        beta = torch.where(op == SATURATION, 1 - saturation, 0.0)
+        gamma = torch.where(op == CONTRAST, (1 - contrast) * contrast_mean, 0.0)
+        coefficients.append((alpha, beta, gamma))
+    return coefficients
+
+
+def _jitter_chain(channels: Sequence[torch.Tensor],
+                  coefficients: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    for alpha, beta, gamma in coefficients:
+        grey = _grey(channels)
+        channels = tuple((alpha * channel + beta * grey + gamma).clamp(0, 255) for channel in channels)
+    return channels

@@ -4,6 +4,7 @@
   the worker seeds PyTorch draws when an iterator is made (a resumed run makes it at another moment).
 - :func:`leave_stop_signals_to_the_rank`: a stop signal sent to the whole process group is the rank's.
 - :func:`split_micro_batch`: a batch cut into micro-batches; :func:`halved`: the next one's size.
+- :func:`copied_ahead`: each batch's copy to the GPU started while the one before trains.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -130,6 +131,50 @@ def _loader(dataset: Dataset, num_workers: int, pin_memory: bool, collate_fn: Ca
         worker_init_fn=leave_stop_signals_to_the_rank if num_workers > 0 else None,
         **batching,
     )
+
+
+def copied_ahead(batches: Iterator[Any], to_device: Callable[[Any], Any], device: torch.device) -> Iterator[Any]:
+    """``batches`` through ``to_device``, each one's copy started while the batch before is trained on.
+
+    - Why: a copy queued on the training stream runs between two steps' kernels, and the GPU waits
+      for it (timm's ``PrefetchLoader`` copies on a side stream too).
+    - On a GPU: the copy runs on a side stream; when a batch is handed out the training stream waits
+      for its copy (an event, not the next batch's), and its memory is marked as used there, so the
+      allocator cannot hand it to the next copy early. Elsewhere: ``to_device`` as each batch comes.
+    """
+    if device.type != "cuda":
+        yield from map(to_device, batches)
+        return
+    stream, ahead = torch.cuda.Stream(device), None
+    for batch in batches:
+        with torch.cuda.stream(stream):
+            copied, ready = to_device(batch), torch.cuda.Event()
+            ready.record(stream)
+        if ahead is not None:
+            yield _handed_over(*ahead, device)
+        ahead = (copied, ready)
+    if ahead is not None:
+        yield _handed_over(*ahead, device)
+
+
+def _handed_over(batch: Any, ready: torch.cuda.Event, device: torch.device) -> Any:
+    training = torch.cuda.current_stream(device)
+    training.wait_event(ready)
+    for tensor in _tensors(batch):
+        if tensor.device.type == "cuda":
+            tensor.record_stream(training)
+    return batch
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _tensors(value)
 
 
 def halved(size: int) -> int:

@@ -29,6 +29,7 @@ import torch
 from common.checkpoint.layout import is_artifact_path
 from common.checkpoint.manager import KEEP_ALL, CheckpointManager, LoadedCheckpoint
 from common.config import config_record
+from common.data.loaders import copied_ahead
 from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
 from common.pytorch.distributed import DistInfo
@@ -245,10 +246,13 @@ class TrainingRun:
         return (self.progress.epoch >= self.plan.epochs or self.progress.step >= self.plan.total
                 or self.progress.stopped_early or self.progress.pruned is not None)
 
-    def steps(self, micro_batches: Iterable[Any]) -> Iterator[MicroBatches]:
+    def steps(self, micro_batches: Iterable[Any], to_device: Callable[[Any], Any] | None = None
+              ) -> Iterator[MicroBatches]:
         """The optimizer steps left in this epoch, each the :class:`~common.run.steps.MicroBatches` of one step.
 
         - ``micro_batches``: the rest of the epoch as the sampler hands it out (index tensors, a DataLoader).
+        - ``to_device``: starts a batch's copy to the device (``DeviceTrainInput.to_device``); run one
+          batch ahead, so on a GPU the copy overlaps the step before (:func:`~common.data.loaders.copied_ahead`).
         - The loop must call :meth:`step_done` once per step; after it this saves when the cadence
           says so, and after SIGTERM/SIGUSR1 saves and raises :class:`~common.errors.Preempted`.
         - Ends at the epoch's end, at the run's last step, or after a rollback.
@@ -262,7 +266,7 @@ class TrainingRun:
         self._bar = self.logger.progress(plan.per_epoch, initial=plan.per_epoch - plan.steps_left(),
                                          description=f"epoch {progress.epoch + 1}/{plan.epochs}{extra}")
         try:
-            for group in plan.groups(self._epoch_source(micro_batches), keep=halving.halves):
+            for group in plan.groups(self._epoch_source(micro_batches, to_device), keep=halving.halves):
                 step = progress.step
                 self.profiler.step_starting(step + 1)
                 if progress.flops_per_sample is None and self._flop_count is None:
@@ -300,16 +304,22 @@ class TrainingRun:
                 self._flop_count.stop()
                 self._flop_count = None
 
-    def _epoch_source(self, micro_batches: Iterable[Any]) -> Iterator[Any]:
-        """This epoch's micro-batches, timed. A DataLoader over the plan's
-        :class:`~common.run.steps.EpochBatches` keeps one iterator from epoch to epoch while the
-        sampler is where it left off (a resume or a rollback starts a new one)."""
-        if not isinstance(getattr(micro_batches, "batch_sampler", None), EpochBatches):
-            return self.telemetry.batches(micro_batches)
-        at = (self.sampler.epoch, self.sampler.consumed)
-        if self._stream is None or self._stream[0] is not micro_batches or self._stream_at != at:
-            self._stream = (micro_batches, self.telemetry.batches(micro_batches))
-        return self._stream[1]
+    def _epoch_source(self, micro_batches: Iterable[Any], to_device: Callable[[Any], Any] | None) -> Iterator[Any]:
+        """This epoch's micro-batches, timed, copied to the device one ahead (``to_device``). A
+        DataLoader over the plan's :class:`~common.run.steps.EpochBatches` keeps one iterator from
+        epoch to epoch while the sampler is where it left off (a resume or a rollback starts a new one)."""
+        if isinstance(getattr(micro_batches, "batch_sampler", None), EpochBatches):
+            at = (self.sampler.epoch, self.sampler.consumed)
+            if self._stream is None or self._stream[0] is not micro_batches or self._stream_at != at:
+                self._stream = (micro_batches, self._batches(micro_batches, to_device))
+            return self._stream[1]
+        return self._batches(micro_batches, to_device)
+
+    def _batches(self, micro_batches: Iterable[Any], to_device: Callable[[Any], Any] | None) -> Iterator[Any]:
+        batches = iter(micro_batches)  # made now: a DataLoader seeds its workers from the global generator
+        if to_device is not None:
+            batches = copied_ahead(batches, to_device, self.dist_info.device)
+        return self.telemetry.batches(batches)
 
     def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
         """The step's gradient norm before clipping, the gradients clipped to ``trainer.grad_clip_norm``.

@@ -218,7 +218,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     train_loader = make_train_loader(train_images, plan.epoch_batches(), cfg.trainer.num_workers, device.type == "cuda",
                                      collate_fn=collate_train, generator=torch.Generator())
     train_input = DeviceTrainInput(augmentation, decode.decode, *input_normalization(cfg.model, cfg.data.image_size),
-                                   device)
+                                   device, channels_last=cfg.trainer.channels_last)
     splits = [train_files, *(evaluate.files for evaluate in evaluators.values())]
     for files in splits:
         run.console(f"{files.name}: {files.origin}")
@@ -252,8 +252,6 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
         """One micro-batch's part of the step's gradient: ``share`` is its part of the step's samples.
         (A function, so that what it computed is freed if it runs out of memory.)"""
         x = train_input(inputs)
-        if cfg.trainer.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
         labels = labels.to(device, non_blocking=True)
         with gradient_sync(ddp_model, sync):
             with autocast(device, cfg.trainer.precision):
@@ -267,7 +265,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
 
     model.train()
     while not run.training_done():
-        for group in run.steps(train_loader):  # one optimizer step per group of micro-batches
+        for group in run.steps(train_loader, train_input.to_device):  # one optimizer step per group of micro-batches
             with group:  # out of memory in here: trainer.out_of_memory=halve hands the step out again, halved
                 for i, (inputs, labels) in enumerate(group):
                     forward_backward(inputs, labels, len(labels) / group.samples, i == len(group) - 1)

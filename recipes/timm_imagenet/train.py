@@ -219,7 +219,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     train_loader = make_train_loader(PerSampleSeeded(train_images, cfg.seed), plan.epoch_batches(),
                                      cfg.trainer.num_workers, device.type == "cuda", collate_fn=collate_train)
     train_input = DeviceTrainInput(augmentation, decode.decode, train_config["mean"], train_config["std"], device,
-                                   random_erasing(cfg.data, device))
+                                   random_erasing(cfg.data, device), channels_last=cfg.trainer.channels_last)
     run.console(
         f"timm_imagenet: {cfg.model.name}, {num_classes} classes, train: {train_origin}\n"
         f"  train {describe_input(train_config, with_crop=False)} decoded on {decode.decode.value}, eval "
@@ -242,10 +242,8 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
         (A function, so that what it computed is freed if it runs out of memory.)"""
         images, labels = train_input(inputs), labels.to(device, non_blocking=True)
         targets = labels
-        if mixup is not None:
+        if mixup is not None:  # in place: the images stay in the memory format train_input wrote
             images, targets = mixup(images, labels)
-        if cfg.trainer.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
         with gradient_sync(ddp_model, sync):
             with autocast(device, cfg.trainer.precision):
                 logits = forward(images)
@@ -255,7 +253,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
 
     model.train()
     while not run.training_done():
-        for group in run.steps(train_loader):  # one optimizer step per group of micro-batches
+        for group in run.steps(train_loader, train_input.to_device):  # one optimizer step per group of micro-batches
             with group:  # out of memory in here: trainer.out_of_memory=halve hands the step out again, halved
                 # timm's Mixup draws from NumPy's global generator and drop path from torch's: seeded per step.
                 with seeded_global_rng(cfg.seed, progress.step, dist_info.rank):
