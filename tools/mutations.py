@@ -40,6 +40,7 @@ TWO_RANKS_AGREE = f"{OOM}test_on_two_ranks_every_rank_agrees_on_the_halved_micro
 CHECKPOINTED = ("tests/test_activation_checkpointing.py::"
                 "test_checkpointed_blocks_give_the_gradients_and_state_of_the_plain_model")
 SOURCES = "tests/test_data_sources.py::"
+LAYERS = "tests/test_layers.py::"
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -812,5 +813,23 @@ MUTATIONS: list[Mutation] = [
         "    if False:",
         (f"{SOURCES}test_staging_shards_to_local_disk_is_refused_in_one_line",),
         "data.stage_to_local=true with shards copies nothing, without a word",
+    ),
+    # ---- issue 44: no import circles; a copied recipe trains as its original does ---------------------
+    Mutation(
+        "spec-imports-its-train-lazily", "recipes/fashion_mnist/spec.py",
+        "def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:\n"
+        "    return build_model(model_cfg)",
+        "def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:\n"
+        "    from recipes.fashion_mnist.train import train  # noqa: F401\n    return build_model(model_cfg)",
+        (f"{LAYERS}test_no_module_imports_itself_through_others",),
+        "python -m recipes.fashion_mnist.train loads its loop twice, and the order of imports decides what works",
+    ),
+    Mutation(
+        "divergence-imports-the-run-for-typing", "common/run/divergence.py",
+        "from typing import Any, Protocol\n",
+        "from typing import TYPE_CHECKING, Any, Protocol\n\nif TYPE_CHECKING:\n"
+        "    from common.run.training_run import TrainingRun  # noqa: F401\n",
+        (f"{LAYERS}test_no_module_imports_itself_through_others",),
+        "common/run's modules import each other again: which one may import which depends on import order",
     ),
 ]
