@@ -41,6 +41,8 @@ CHECKPOINTED = ("tests/test_activation_checkpointing.py::"
                 "test_checkpointed_blocks_give_the_gradients_and_state_of_the_plain_model")
 SOURCES = "tests/test_data_sources.py::"
 LAYERS = "tests/test_layers.py::"
+COPY_TRAINS = ("tests/test_new_recipe.py::"
+               "test_a_copy_prepares_its_data_as_its_original_does_and_the_tool_names_each_command_it_needs")
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -831,5 +833,17 @@ MUTATIONS: list[Mutation] = [
         "    from common.run.training_run import TrainingRun  # noqa: F401\n",
         (f"{LAYERS}test_no_module_imports_itself_through_others",),
         "common/run's modules import each other again: which one may import which depends on import order",
+    ),
+    Mutation(
+        "makefile-reads-one-recipes-make-declaration", "Makefile",
+        "include $(wildcard recipes/*/recipe.mk)", "include $(wildcard recipes/fashion_mnist/recipe.mk)",
+        (f"{COPY_TRAINS}[fashion_mnist-True]",),
+        "make train-<a copy of fashion_mnist> stops: its data directory does not exist",
+    ),
+    Mutation(
+        "new-recipe-omits-the-data-prep-command", "tools/new_recipe.py",
+        "    return [*commands, train,", "    return [train,",
+        (f"{COPY_TRAINS}[timm_imagenet-False]",),
+        "a copy of timm_imagenet, trained as the tool says, stops: its data directory does not exist",
     ),
 ]
