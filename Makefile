@@ -45,7 +45,9 @@ prep-%: $(STAMP) FORCE ## Prepare a recipe's data and pretrained weights (SOURCE
 	$(PY) -m data_prep.$* $(if $(SOURCE),--source "$(SOURCE)") $(if $(WEIGHTS),--weights "$(WEIGHTS)") \
 		$(if $(FORMAT),--format "$(FORMAT)") $(if $(EXPERIMENT),"+experiment=$(EXPERIMENT)")
 
-train-fashion_mnist: prep-fashion_mnist
+# A recipe whose training prepares its data first says so in recipes/<recipe>/recipe.mk
+# (`train-<recipe>: prep-<recipe>`); make new-recipe copies it with the recipe.
+include $(wildcard recipes/*/recipe.mk)
 
 train-%: $(STAMP) FORCE ## Train a recipe (ARGS="key=value ...", NPROC=n for torchrun)
 ifeq ($(NPROC),1)
@@ -53,8 +55,6 @@ ifeq ($(NPROC),1)
 else
 	$(PY) -m cluster.torchrun --standalone --nproc-per-node $(NPROC) -m recipes.$*.train $(ARGS)
 endif
-
-search-fashion_mnist: prep-fashion_mnist
 
 search-%: $(STAMP) FORCE ## Hyperparameter search: [SPACE=<file|preset>] TRIALS=n [STUDY=<dir>] [ARGS=...] [NPROC=n] [STORAGE=<db url>] [REPORT=1]
 	$(PY) -m tools.search $* --study "$(or $(STUDY),runs/$*/search)" $(if $(SPACE),--space "$(SPACE)") \

@@ -4,8 +4,9 @@
   training builds it, the evaluation of a split, the names its tensors have outside it.
 - Read by ``python -m recipes.<r>.train`` (schema, process group), ``make eval``, ``make export``
   and ``init_from=``.
-- The functions it points at live where the recipe's own code uses them: the model in
-  ``model.py``, its placement and the evaluation beside the loop in ``train.py``.
+- The functions it points at live in the recipe: the model in ``model.py``; the model as
+  trained, the splits and their evaluation in ``spec.py`` itself, which ``train.py`` imports (one
+  direction: ``spec.py`` imports nothing of ``train.py``, so the tools and the loop share one of each).
 """
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ def test_missing_data_is_a_one_line_error_with_exit_2(pretrained_dir: Path, tmp_
 
 @pytest.mark.parametrize(("num_samples", "world_size"), [(11, 2), (10, 2), (7, 3), (5, 1)])
 def test_eval_batches_count_every_sample_once_with_equal_batches_per_rank(num_samples: int, world_size: int) -> None:
-    from recipes.dinov2_fsdp.train import eval_batches
+    from recipes.dinov2_fsdp.spec import eval_batches
 
     kept, batch_counts = [], set()
     for rank in range(world_size):
@@ -292,7 +292,7 @@ def test_settings_the_recipe_cannot_honour_are_refused(tmp_path: Path, override:
     from common.entry import compose_config
     from common.errors import UserError
     from common.pytorch.distributed import DistInfo
-    from recipes.dinov2_fsdp.train import check_settings
+    from recipes.dinov2_fsdp.spec import check_settings
 
     cfg = compose_config(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", override])
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")

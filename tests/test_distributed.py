@@ -16,8 +16,7 @@ from common.errors import UserError
 from common.pytorch import distributed
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import accumulation_steps, scaled_lr
-from common.run.cadence import CheckpointCadence, StopSignals
-from common.run.divergence import NONE
+from common.run.cadence import NONE, CheckpointCadence, StopSignals
 from tests.conftest import free_port, spawn_ranks
 
 

@@ -352,7 +352,7 @@ def test_each_rank_evaluates_its_own_images_and_together_every_image_once(fungi_
     from common.config import TrainerConfig
     from common.pytorch.distributed import DistInfo
     from recipes.fungitastic.config import FungiTasticConfig, ModelConfig
-    from recipes.fungitastic.train import SplitEvaluation
+    from recipes.fungitastic.spec import SplitEvaluation
 
     data = fungi_data_one_val_image_missing
     cfg = FungiTasticConfig(data=DataConfig(root=str(data), prepared_dir=str(data / "prepared"), skip_missing=True,

@@ -18,6 +18,9 @@ layer   modules
 
 ``common`` imports nothing of ``recipes``, ``cluster``, ``tools``, ``benchmarks`` or ``tests``, and no
 recipe imports another.
+
+No module of the project imports itself through others (a circle, lazy imports included): a circle
+makes the order of imports matter, and ``python -m`` of a module in one loads that module twice.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ LAYERS = (
     ("common.run",),
 )
 OUTSIDE_COMMON = ("recipes", "cluster", "tools", "benchmarks", "tests")
+PACKAGES = ("common", "recipes", "data_prep", "cluster", "tools", "benchmarks", "tests")
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
+def module_name(path: Path, repo: Path = REPO) -> str:
+    parts = list(path.relative_to(repo).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -67,6 +71,57 @@ def layer_of(module: str) -> int | None:
 
 def common_modules() -> list[Path]:
     return sorted((REPO / "common").rglob("*.py"))
+
+
+def import_graph(repo: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Each module of ``packages`` under ``repo`` -> the modules of those packages it imports."""
+    paths = [path for package in packages for path in sorted((repo / package).rglob("*.py"))]
+    modules = {module_name(path, repo): path for path in paths}
+    return {module: {name for name in imported_modules(path) if name in modules and name != module}
+            for module, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that import each other, directly or through others: each group sorted
+    (Tarjan's strongly connected components of more than one module)."""
+    index: dict[str, int] = {}
+    lowest: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(module: str) -> None:
+        index[module] = lowest[module] = len(index)
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                lowest[module] = min(lowest[module], lowest[imported])
+            elif imported in stack:
+                lowest[module] = min(lowest[module], index[imported])
+        if lowest[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    found = circles(import_graph(REPO, PACKAGES))
+    assert not found, f"{len(found)} import circle(s): " + "; ".join(" <-> ".join(group) for group in found)
+
+
+def test_the_check_sees_a_circle_closed_by_a_lazy_import(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import B\n")
+    (tmp_path / "pkg" / "b.py").write_text("def late():\n    from pkg import a\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    assert circles(import_graph(tmp_path, ("pkg",))) == [["pkg.a", "pkg.b"]]
 
 
 def test_every_module_of_common_has_a_layer() -> None:

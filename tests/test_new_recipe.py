@@ -243,6 +243,34 @@ def test_a_copy_of_an_image_recipe_passes_its_tests_and_key_checks_and_resumes_a
     assert summary["steps"] == 2 * 24 // 8
 
 
+def modules_make_runs(sandbox: Path, target: str) -> list[str]:
+    """The ``python -m`` modules ``make <target>`` would run in ``sandbox``, in order (``make -n``)."""
+    venv = Path(sys.executable).parents[1]
+    dry = subprocess.run(["make", "-n", target, f"VENV={venv}", "STAMP="], cwd=sandbox, capture_output=True,
+                         text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    return re.findall(r" -m (\S+)", dry.stdout)
+
+
+@pytest.mark.parametrize(("source", "prepares"), [("fashion_mnist", True), ("timm_imagenet", False)])
+def test_a_copy_prepares_its_data_as_its_original_does_and_the_tool_names_each_command_it_needs(
+        tmp_path: Path, source: str, prepares: bool) -> None:
+    """``make train-<copy>`` runs what ``make train-<original>`` runs (its data prep first where the
+    original's does), and the tool's last lines name the commands the copy needs, in order."""
+    sandbox = make_sandbox(tmp_path)
+    made, _ = copy_made_by([sys.executable, "-m", "tools.new_recipe", "--name", "mine", "--from", source], sandbox)
+    original = modules_make_runs(sandbox, f"train-{source}")
+    assert (f"data_prep.{source}" in original) == prepares and original[-1] == f"recipes.{source}.train"
+    assert modules_make_runs(sandbox, "train-mine") == [module.replace(source, "mine") for module in original]
+
+    named = [line.split()[:2] for line in made.stdout.split("in order:\n", 1)[1].splitlines()
+             if line.startswith("  make ")]
+    assert named == [*([] if prepares else [["make", "prep-mine"]]), ["make", "train-mine"], ["make", "test"]], \
+        made.stdout
+    for _, target in named[:-1]:
+        assert modules_make_runs(sandbox, target)[-1] in ("data_prep.mine", "recipes.mine.train")
+
+
 def test_the_files_of_a_recipe_whose_name_extends_the_originals_are_not_copied(tmp_path: Path) -> None:
     """Copying ``foo`` beside a recipe ``foo_v2``: foo_v2's preset and tests are not foo's."""
     from tools.new_recipe import files_to_copy

@@ -31,8 +31,8 @@ from recipes.tv_segmentation.config import DataConfig, ModelConfig, TvSegmentati
 from recipes.tv_segmentation.data import SegmentationDataset, eval_transform, find_pairs, pad_collate, train_transform
 from recipes.tv_segmentation.metrics import ConfusionMatrix, segmentation_scores
 from recipes.tv_segmentation.model import build_model
+from recipes.tv_segmentation.spec import evaluator
 from recipes.tv_segmentation.sync_batchnorm import AllReduceBatchNorm, convert_sync_batchnorm
-from recipes.tv_segmentation.train import evaluator
 from tests.conftest import REPO, assert_ok, read_summary, recipe_env, run_recipe, spawn_ranks
 from tests.resume import kill_signal_resume
 from tests.test_host_syncs import SyncingOps

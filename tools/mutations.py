@@ -40,6 +40,9 @@ TWO_RANKS_AGREE = f"{OOM}test_on_two_ranks_every_rank_agrees_on_the_halved_micro
 CHECKPOINTED = ("tests/test_activation_checkpointing.py::"
                 "test_checkpointed_blocks_give_the_gradients_and_state_of_the_plain_model")
 SOURCES = "tests/test_data_sources.py::"
+LAYERS = "tests/test_layers.py::"
+COPY_TRAINS = ("tests/test_new_recipe.py::"
+               "test_a_copy_prepares_its_data_as_its_original_does_and_the_tool_names_each_command_it_needs")
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -823,5 +826,35 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_images.py::test_the_device_input_reads_and_writes_the_batch_at_most_four_times_once_compiled",),
         "the compiled colour jitter writes the batch out and reads it back at every op: milliseconds of every GPU "
         "step",
+    ),
+    # ---- issue 44: no import circles; a copied recipe trains as its original does ---------------------
+    Mutation(
+        "spec-imports-its-train-lazily", "recipes/fashion_mnist/spec.py",
+        "def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:\n"
+        "    return build_model(model_cfg)",
+        "def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:\n"
+        "    from recipes.fashion_mnist.train import train  # noqa: F401\n    return build_model(model_cfg)",
+        (f"{LAYERS}test_no_module_imports_itself_through_others",),
+        "python -m recipes.fashion_mnist.train loads its loop twice, and the order of imports decides what works",
+    ),
+    Mutation(
+        "divergence-imports-the-run-for-typing", "common/run/divergence.py",
+        "from typing import Any, Protocol\n",
+        "from typing import TYPE_CHECKING, Any, Protocol\n\nif TYPE_CHECKING:\n"
+        "    from common.run.training_run import TrainingRun  # noqa: F401\n",
+        (f"{LAYERS}test_no_module_imports_itself_through_others",),
+        "common/run's modules import each other again: which one may import which depends on import order",
+    ),
+    Mutation(
+        "makefile-reads-one-recipes-make-declaration", "Makefile",
+        "include $(wildcard recipes/*/recipe.mk)", "include $(wildcard recipes/fashion_mnist/recipe.mk)",
+        (f"{COPY_TRAINS}[fashion_mnist-True]",),
+        "make train-<a copy of fashion_mnist> stops: its data directory does not exist",
+    ),
+    Mutation(
+        "new-recipe-omits-the-data-prep-command", "tools/new_recipe.py",
+        "    return [*commands, train,", "    return [train,",
+        (f"{COPY_TRAINS}[timm_imagenet-False]",),
+        "a copy of timm_imagenet, trained as the tool says, stops: its data directory does not exist",
     ),
 ]

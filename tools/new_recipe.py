@@ -23,6 +23,10 @@ none of those comes before it. Prose that names the dataset (``Fashion-MNIST``) 
 ``y`` follows such a character (``write_fashion_mnist``, the tiny-data writer the tests share) stay
 as they are.
 
+``recipes/y/recipe.mk``, which the Makefile includes, is copied with the rest: where
+``make train-y`` prepares its data first (``train-y: prep-y``), ``make train-x`` does too. The
+command's last lines name every command the copy needs, in order.
+
 Nothing else is written and nothing existing is overwritten: the shared test tables
 (``tests/test_config_keys.py``, ``tests/trained_runs.py``) read the copy's ``recipes/x/testing.py``,
 and the Makefile finds every ``recipes/*/train.py``, so the copy's tests and the suite's checks of
@@ -110,6 +114,35 @@ def copy_recipe(repo: Path, source: str, target: str) -> list[Path]:
     return written
 
 
+def prepares_its_data(repo: Path, name: str) -> bool:
+    """Whether ``make train-<name>`` runs ``make prep-<name>`` first: a rule of ``recipes/<name>/recipe.mk``
+    (which the Makefile includes) that gives ``train-<name>`` the prerequisite ``prep-<name>``."""
+    declaration = repo / "recipes" / name / "recipe.mk"
+    if not declaration.is_file():
+        return False
+    for line in declaration.read_text().splitlines():
+        targets, colon, prerequisites = line.partition(":")
+        if colon and not line.startswith(("#", "\t")) and f"train-{name}" in targets.split() \
+                and f"prep-{name}" in prerequisites.split():
+            return True
+    return False
+
+
+def next_commands(repo: Path, name: str) -> list[str]:
+    """The commands a copy needs, in the order to run them: its data (where its training does not
+    prepare it), its training, its tests."""
+    commands = []
+    if prepares_its_data(repo, name):
+        train = f"make train-{name}      # prepares its data first (make prep-{name}), as its original does"
+    else:
+        if (repo / "data_prep" / f"{name}.py").is_file():
+            commands.append(f"make prep-{name}      # its data (SOURCE=<a local copy>: "
+                            f"python -m data_prep.{name} --help)")
+        train = f"make train-{name}"
+    return [*commands, train,
+            f"make test PYTEST_ARGS=\"tests/test_{name}.py tests/test_config_keys.py -k {name}\""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", required=True, help="the new recipe's name (lower_case)")
@@ -127,10 +160,12 @@ def main() -> None:
     print(f"\nnew recipe {name!r}, copied from {source!r}: in these {len(written)} files {source} became {name} "
           f"and {classes}\n(`python -m tools.new_recipe --help` says exactly where); nothing else was written.\n"
           f"Its tests pass as they are, and so do the suite's checks of every recipe, which read\n"
-          f"recipes/{name}/testing.py (its tiny test settings and the checks of its config keys):\n"
-          f"  make test PYTEST_ARGS=\"tests/test_{name}.py tests/test_config_keys.py -k {name}\"\n"
-          f"  make train-{name}\n"
-          f"When you add a key to recipes/{name}/config.py, give it a check in recipes/{name}/testing.py.")
+          f"recipes/{name}/testing.py (its tiny test settings and the checks of its config keys).\n"
+          f"What it takes to train and test it, in order:")
+    for command in next_commands(REPO, name):
+        print(f"  {command}")
+    print(f"When you add a key to recipes/{name}/config.py, give it a check in recipes/{name}/testing.py.")
+
 
 if __name__ == "__main__":
     main()

@@ -19,11 +19,12 @@ from common.config import CheckpointConfig
 from common.errors import Preempted
 from common.pytorch import distributed
 from common.records import heartbeat
-from common.run.divergence import NONE
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # Taken over only when some Python code already handles it (submitit's requeue signal by default).
 _LAUNCHER_SIGNALS = (signal.SIGUSR2,)
+
+NONE = -1  # a rank's first non-finite step while every step so far was finite (common/run/divergence.py)
 
 
 class StopSignals:

@@ -14,21 +14,24 @@ import math
 import socket
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from common.checkpoint.layout import latest_checkpoint
+from common.checkpoint.manager import CheckpointManager, LoadedCheckpoint
 from common.config import TrainerConfig
 from common.errors import EXIT_DIVERGED, Diverged
 from common.pytorch import distributed
+from common.pytorch.distributed import DistInfo
 from common.records import heartbeat
+from common.records.loggers import RunLogger
 from common.records.summary import write_summary
-
-if TYPE_CHECKING:
-    from common.run.training_run import TrainingRun
-
-NONE = -1  # the watch's value while every step so far was finite
+from common.records.telemetry import StepTelemetry
+from common.run.cadence import NONE, CheckpointCadence
+from common.run.progress import Progress
+from common.run.steps import StepPlan
 
 
 class NonfiniteWatch:
@@ -148,15 +151,46 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Any, factor
             setattr(scheduler, attribute, value * factor)
 
 
+class GuardedRun(Protocol):
+    """What :class:`Divergence` reads and calls of the run it guards, a
+    :class:`~common.run.training_run.TrainingRun`: named here, as that module imports this one."""
+
+    dist_info: DistInfo
+    plan: StepPlan
+    recipe: str
+    run_dir: Path
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    extra_state: dict[str, Any]
+    checkpoints: CheckpointManager
+    cadence: CheckpointCadence
+    telemetry: StepTelemetry
+    logger: RunLogger | None
+
+    @property
+    def progress(self) -> Progress: ...
+
+    def segment_seconds(self) -> float: ...
+
+    def restart_clock(self) -> None: ...
+
+    def reload_latest(self) -> LoadedCheckpoint | None: ...
+
+    def console(self, message: str, everywhere: bool = False) -> None: ...
+
+    def save(self, metrics: dict[str, float] | None = None, milestone: str | None = None) -> None: ...
+
+
 class Divergence:
     """The run's handling of ``trainer.nonfinite``: watch each step, check before each save, roll back or stop.
 
     - ``trainer``: its ``nonfinite``, ``rollback_lr_factor`` and ``max_rollbacks``.
-    - ``run``: the :class:`~common.run.training_run.TrainingRun` it guards (its state, checkpoints, logs).
+    - ``run``: the run it guards (its state, checkpoints, logs): what it uses is :class:`GuardedRun`.
     - Its records live in the run's :class:`~common.run.progress.Progress` (``rollbacks``): checkpointed.
     """
 
-    def __init__(self, trainer: TrainerConfig, run: TrainingRun) -> None:
+    def __init__(self, trainer: TrainerConfig, run: GuardedRun) -> None:
         self.nonfinite = trainer.nonfinite.value
         self.rollback_lr_factor = trainer.rollback_lr_factor
         self.max_rollbacks = trainer.max_rollbacks

@@ -3,25 +3,51 @@
 - ``state.pt``: :func:`capture` (collective; rank 0 writes it) and :func:`restore`.
 - Sharded runs (FSDP2): the model and optimizer go through ``torch.distributed.checkpoint``
   (:func:`sharded_state`), so a checkpoint resumes on another number of ranks.
-- The functions read and fill a :class:`~common.run.training_run.TrainingRun`'s objects in place.
+- The functions read and fill a run's objects in place: what they use of a
+  :class:`~common.run.training_run.TrainingRun` is :class:`TrackedRun`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from common.checkpoint.manager import LoadedCheckpoint
+from common.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
 from common.pytorch import distributed
+from common.pytorch.distributed import DistInfo
+from common.pytorch.metrics import SumMetrics
 from common.pytorch.rng import rng_state, set_rng_state
 from common.records import heartbeat
 from common.records.summary import state_digest
+from common.run.out_of_memory import MicroBatchHalving
+from common.run.progress import Progress
 
-if TYPE_CHECKING:
-    from common.run.training_run import TrainingRun
+
+class TrackedRun(Protocol):
+    """What these functions read and fill of a run, a :class:`~common.run.training_run.TrainingRun`:
+    named here, as that module imports this one."""
+
+    dist_info: DistInfo
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None
+    sampler: ResumableDistributedSampler
+    train_sums: SumMetrics
+    extra_state: dict[str, Any]
+    sharded: bool
+    checkpoints: CheckpointManager
+    out_of_memory: MicroBatchHalving
+
+    @property
+    def progress(self) -> Progress: ...
+
+    @property
+    def micro_batch(self) -> int: ...
 
 
 def _merged_sums(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -33,7 +59,7 @@ def _merged_sums(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
     return merged
 
 
-def load_latest(run: TrainingRun) -> tuple[LoadedCheckpoint | None, dict[str, Any] | None]:
+def load_latest(run: TrackedRun) -> tuple[LoadedCheckpoint | None, dict[str, Any] | None]:
     """The newest valid checkpoint, loaded to the CPU, and (sharded) the model's shards read from it. Collective."""
     sharded_model = None
     if run.sharded:
@@ -43,7 +69,7 @@ def load_latest(run: TrainingRun) -> tuple[LoadedCheckpoint | None, dict[str, An
     return run.checkpoints.load_latest(map_location="cpu", sharded_state=sharded_model), sharded_model
 
 
-def restore(run: TrainingRun, loaded: LoadedCheckpoint, sharded_model: dict[str, Any] | None) -> None:
+def restore(run: TrackedRun, loaded: LoadedCheckpoint, sharded_model: dict[str, Any] | None) -> None:
     """Load ``loaded`` into the tracked objects, one resume later.
 
     - Same world size: each rank's RNG states and partial metric sums.
@@ -79,7 +105,7 @@ def restore(run: TrainingRun, loaded: LoadedCheckpoint, sharded_model: dict[str,
     heartbeat.at_step(run.progress.step)
 
 
-def restore_optimizer(run: TrainingRun, loaded: LoadedCheckpoint) -> None:
+def restore_optimizer(run: TrackedRun, loaded: LoadedCheckpoint) -> None:
     """Load ``loaded``'s optimizer and schedule into the run's (sharded: from the DCP folder)."""
     if run.sharded:
         import torch.distributed.checkpoint as dcp
@@ -96,7 +122,7 @@ def restore_optimizer(run: TrainingRun, loaded: LoadedCheckpoint) -> None:
         run.scheduler.load_state_dict(loaded.state["scheduler"])
 
 
-def sharded_state(run: TrainingRun) -> dict[str, Any] | None:
+def sharded_state(run: TrackedRun) -> dict[str, Any] | None:
     """A sharded run's model and optimizer shards, for ``torch.distributed.checkpoint``; None unsharded."""
     if not run.sharded:
         return None
@@ -106,7 +132,7 @@ def sharded_state(run: TrainingRun) -> dict[str, Any] | None:
     return {"model": model_shards, "optimizer": optimizer_shards}
 
 
-def capture(run: TrainingRun) -> dict[str, Any]:
+def capture(run: TrackedRun) -> dict[str, Any]:
     """The checkpoint's ``state.pt``. Collective: rank 0 writes every rank's RNG states and metric sums."""
     per_rank = distributed.all_gather_object({"rng": rng_state(), "metrics": run.train_sums.state_dict(),
                                               "micro_batch": run.micro_batch,
@@ -130,7 +156,7 @@ def capture(run: TrainingRun) -> dict[str, Any]:
     return state
 
 
-def model_digest(run: TrainingRun) -> str | None:
+def model_digest(run: TrackedRun) -> str | None:
     """The summary's ``model_digest`` (on rank 0; collective for a sharded model)."""
     if run.sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -41,9 +41,9 @@ from common.records.provenance import bit_identity_differences, segment_record
 from common.records.summary import output_lines, state_digest, write_summary
 from common.records.telemetry import FlopCount, StepTelemetry, clip_grad_norm
 from common.run import state
-from common.run.cadence import CheckpointCadence, StopSignals
+from common.run.cadence import NONE, CheckpointCadence, StopSignals
 from common.run.compile_cache import CompileCache
-from common.run.divergence import NONE, Divergence
+from common.run.divergence import Divergence
 from common.run.early_stopping import EarlyStopping
 from common.run.out_of_memory import MicroBatchHalving
 from common.run.progress import Progress

@@ -1,5 +1,6 @@
 """cifar100_resnet50 as the shared tools see it (``common/recipes.py``): ``make eval``, ``make export``
-and ``init_from=`` read this alone.
+and ``init_from=`` read this alone. ``train.py`` imports the model as trained, the splits and
+the evaluation from here (this module imports nothing of it), so training and the tools share them.
 
 The export keeps timm's tensor names. With ``model.cifar_stem=false`` the model is a plain timm
 ResNet, which timm loads directly (the ``timm`` entry of ``metadata.json``); the default CIFAR
@@ -12,15 +13,48 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from common.after_training.evaluate import classification_scores, metric_prefix
 from common.after_training.export import timm_classifiers, timm_loading
 from common.data import cifar100
-from common.recipes import RecipeSpec
+from common.data.image_batches import Normalize
+from common.data.sampler import ResumableDistributedSampler
+from common.pytorch.activation_checkpointing import checkpoint_blocks
+from common.pytorch.distributed import DistInfo, on_device
+from common.recipes import Evaluate, RecipeSpec
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config, ModelConfig
 from recipes.cifar100_resnet50.data import MEAN, STD
 from recipes.cifar100_resnet50.model import build_model
-from recipes.cifar100_resnet50.train import SPLITS, evaluator, model_as_trained
+
+SPLITS = ("test",)  # CIFAR-100 has a train and a test split; training evaluates on test
+
+
+def model_as_trained(cfg: Cifar100ResNet50Config, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
+    """The model as training holds it, before DDP and compile (trained from scratch: no pretrained weights)."""
+    model = build_model(cfg.model)
+    checkpoint_blocks(model, cfg.trainer.activation_checkpointing)
+    return on_device(model, dist_info.device, cfg.trainer.channels_last)
+
+
+def evaluator(cfg: Cifar100ResNet50Config, dist_info: DistInfo, split: str) -> Evaluate:
+    """Loss, top-1 and top-5 accuracy over ``split``, each image counted once across ranks; the
+    whole split on the device."""
+    data = cifar100.load_split(cfg.data.root, split, prep="cifar100_resnet50")
+    images, labels = data.images.to(dist_info.device), data.labels.to(dist_info.device)
+    normalize = Normalize(MEAN, STD, dist_info.device, input_max=1)
+    sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,
+                                          drop_last=False)
+
+    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
+        batches = ((normalize(images[batch].float() / 255.0), labels[batch])
+                   for batch in sampler.index_batches(cfg.trainer.eval_batch_size, images.device))
+        return classification_scores(model, batches, dist_info.device, cfg.trainer.precision,
+                                     cfg.trainer.channels_last, metric_prefix(of_ema))
+
+    return evaluate
+
 
 INPUT_SIZE = [3, 32, 32]
 

@@ -15,50 +15,20 @@ import torch
 import torch.nn.functional as F
 from timm.utils import ModelEmaV3
 
-from common.after_training.evaluate import classification_scores, metric_prefix
 from common.data import cifar100
 from common.data.image_batches import Normalize
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import exit_process, recipe_main
-from common.pytorch.activation_checkpointing import checkpoint_blocks
-from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, warmup_multistep, weight_decay_groups
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_generator
-from common.recipes import Evaluate
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config
 from recipes.cifar100_resnet50.data import MEAN, STD, BatchAugmentation
-from recipes.cifar100_resnet50.model import build_model
-
-SPLITS = ("test",)  # CIFAR-100 has a train and a test split; training evaluates on test
-
-
-def model_as_trained(cfg: Cifar100ResNet50Config, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
-    """The model as training holds it, before DDP and compile (trained from scratch: no pretrained weights)."""
-    model = build_model(cfg.model)
-    checkpoint_blocks(model, cfg.trainer.activation_checkpointing)
-    return on_device(model, dist_info.device, cfg.trainer.channels_last)
-
-
-def evaluator(cfg: Cifar100ResNet50Config, dist_info: DistInfo, split: str) -> Evaluate:
-    """Loss, top-1 and top-5 accuracy over ``split``, each image counted once across ranks; the
-    whole split on the device."""
-    data = cifar100.load_split(cfg.data.root, split, prep="cifar100_resnet50")
-    images, labels = data.images.to(dist_info.device), data.labels.to(dist_info.device)
-    normalize = Normalize(MEAN, STD, dist_info.device, input_max=1)
-    sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,
-                                          drop_last=False)
-
-    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
-        batches = ((normalize(images[batch].float() / 255.0), labels[batch])
-                   for batch in sampler.index_batches(cfg.trainer.eval_batch_size, images.device))
-        return classification_scores(model, batches, dist_info.device, cfg.trainer.precision,
-                                     cfg.trainer.channels_last, metric_prefix(of_ema))
-
-    return evaluate
+from recipes.cifar100_resnet50.spec import SPEC, SPLITS, evaluator, model_as_trained
 
 
 def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
@@ -158,6 +128,4 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    from recipes.cifar100_resnet50.spec import SPEC  # the schema and process-group options (spec.py imports this file)
-
     exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

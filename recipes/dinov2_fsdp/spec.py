@@ -1,5 +1,6 @@
-"""dinov2_fsdp as the shared tools see it (``common/recipes.py``): ``make eval``, ``make export`` and
-``init_from=`` read this alone.
+"""dinov2_fsdp as the shared tools see it (``common/recipes.py``): ``make eval``, ``make export``
+and ``init_from=`` read this alone. ``train.py`` imports the model as trained, the splits and
+the evaluation from here (this module imports nothing of it), so training and the tools share them.
 
 The FSDP shards are consolidated into one ``model.safetensors``. With transformers (the default)
 its names are those of ``Dinov2ForImageClassification`` (``dinov2.*`` and ``classifier.*``) and
@@ -12,18 +13,104 @@ timm loads the whole classifier (the ``timm`` entry of ``metadata.json``).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from common.after_training.evaluate import metric_prefix, model_outputs
 from common.after_training.export import timm_loading
 from common.data import cifar100
-from common.recipes import RecipeSpec
+from common.data.image_batches import Normalize
+from common.data.sampler import ResumableDistributedSampler
+from common.errors import UserError
+from common.pytorch.activation_checkpointing import checkpoint_blocks
+from common.pytorch.distributed import DistInfo, on_device
+from common.pytorch.fsdp import fully_shard_blocks, process_group_options
+from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics
+from common.recipes import Evaluate, RecipeSpec
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig, ModelConfig
-from recipes.dinov2_fsdp.data import MEAN, STD
-from recipes.dinov2_fsdp.model import NUM_CLASSES, DinoClassifier, transformers_config
-from recipes.dinov2_fsdp.train import SPLITS, evaluator, model_as_trained, process_group
+from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
+from recipes.dinov2_fsdp.model import NUM_CLASSES, DinoClassifier, build_model, transformers_config
+
+SPLITS = ("test",)  # CIFAR-100 has a train and a test split; training evaluates on test
+
+
+def check_settings(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
+    """Settings this recipe cannot honour, refused before any work."""
+    if not 0 <= cfg.stages.probe_epochs <= cfg.trainer.epochs:
+        raise UserError(f"stages.probe_epochs={cfg.stages.probe_epochs} must be between 0 and "
+                        f"trainer.epochs={cfg.trainer.epochs}")
+    if cfg.trainer.precision == "fp16":
+        raise UserError("trainer.precision=fp16 is not supported here: use bf16 (no loss scaling needed) or fp32")
+    if cfg.fsdp.cpu_offload and dist_info.device.type != "cuda":
+        raise UserError("fsdp.cpu_offload moves GPU state to host memory: it needs device=cuda")
+
+
+def eval_batches(
+    num_samples: int, rank: int, world_size: int, batch_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's evaluation batches as (indices, keep mask): each sample is kept on exactly one
+    rank, and every rank gets the same number of batches (FSDP gathers weights collectively), so
+    a rank with one sample fewer pads with a masked-out sample."""
+    sampler = ResumableDistributedSampler(num_samples, rank, world_size, shuffle=False, drop_last=False)
+    mine = torch.tensor(list(sampler), dtype=torch.long)
+    per_rank = math.ceil(num_samples / world_size)
+    indices = torch.zeros(per_rank, dtype=torch.long)
+    indices[: len(mine)] = mine
+    keep = torch.arange(per_rank) < len(mine)
+    return list(zip(indices.split(batch_size), keep.split(batch_size)))
+
+
+def model_as_trained(cfg: DinoV2FSDPConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
+    """The model as training holds it: on the device, sharded with FSDP2 over the ranks (or on one
+    rank with ``fsdp.on_one_rank``), in fp32 with FSDP's bf16 policy or whole under autocast."""
+    check_settings(cfg, dist_info)
+    model = build_model(cfg.model, pretrained)
+    checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, cfg.model.name)
+    model = on_device(model, dist_info.device, cfg.trainer.channels_last)
+    if is_sharded(cfg, dist_info):  # bf16 parameters for compute, fp32 gradient reductions
+        fully_shard_blocks(model, model.blocks, bf16_parameters=cfg.trainer.precision == "bf16",
+                           reshard_after_forward=cfg.fsdp.reshard_after_forward, cpu_offload=cfg.fsdp.cpu_offload)
+    return model
+
+
+def is_sharded(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> bool:
+    return dist_info.distributed or cfg.fsdp.on_one_rank
+
+
+def compute_precision(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> str:
+    """The autocast precision around the model: none under FSDP, which casts its parameters itself."""
+    return "fp32" if is_sharded(cfg, dist_info) else cfg.trainer.precision
+
+
+def evaluator(cfg: DinoV2FSDPConfig, dist_info: DistInfo, split: str) -> Evaluate:
+    """Loss, top-1 and top-5 accuracy over the CIFAR-100 ``split``, from sums over all ranks; the
+    whole split on the device, resized to the model's input size batch by batch."""
+    data = cifar100.load_split(cfg.data.root, split)
+    images, labels = data.images.to(dist_info.device), data.labels.to(dist_info.device)
+    normalize = Normalize(MEAN, STD, dist_info.device, input_max=1)
+    batches = eval_batches(len(images), dist_info.rank, dist_info.world_size, cfg.trainer.eval_batch_size)
+    precision = compute_precision(cfg, dist_info)
+
+    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
+        sums = SumMetrics(dist_info.device)
+        inputs = ((to_model_input(images[batch.to(images.device)], cfg.model.image_size, normalize),
+                   (labels[batch.to(images.device)], keep.to(images.device))) for batch, keep in batches)
+        for logits, (targets, keep) in model_outputs(model, inputs, dist_info.device, precision,
+                                                     cfg.trainer.channels_last):
+            add_classification(sums, logits, targets, keep)
+        return classification_metrics(sums.reduce(), metric_prefix(of_ema))
+
+    return evaluate
+
+
+def process_group(cfg: DinoV2FSDPConfig) -> dict[str, bool]:
+    """The process group FSDP needs: gloo beside nccl for CPU offload, a group even of one rank."""
+    return process_group_options(cfg.fsdp.on_one_rank, cfg.fsdp.cpu_offload)
+
 
 WHOLE_CLASSIFIER = "Dinov2ForImageClassification"  # its head reads the CLS token and the mean patch token
 

@@ -14,31 +14,34 @@ so a run can resume on a different number of ranks. Run contract: see README.md,
 
 from __future__ import annotations
 
-import math
 from enum import Enum
 
 import torch
 import torch.nn.functional as F
 
-from common.after_training.evaluate import metric_prefix, model_outputs
 from common.data import cifar100
 from common.data.image_batches import Normalize, random_crop_and_flip
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import exit_process, recipe_main
-from common.errors import UserError
-from common.pytorch.activation_checkpointing import checkpoint_blocks
-from common.pytorch.distributed import DistInfo, gradient_sync, on_device
-from common.pytorch.fsdp import fully_shard_blocks, process_group_options
-from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics, ratio
+from common.pytorch.distributed import DistInfo, gradient_sync
+from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
 from common.pytorch.precision import autocast
 from common.pytorch.rng import seed_everything, seeded_generator
-from common.recipes import Evaluate
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig
 from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
-from recipes.dinov2_fsdp.model import build_model, refresh_mixed_precision
+from recipes.dinov2_fsdp.model import refresh_mixed_precision
+from recipes.dinov2_fsdp.spec import (
+    SPEC,
+    SPLITS,
+    check_settings,
+    compute_precision,
+    evaluator,
+    is_sharded,
+    model_as_trained,
+)
 
 
 class Stage(str, Enum):
@@ -46,87 +49,10 @@ class Stage(str, Enum):
     finetune = "finetune"
 
 
-SPLITS = ("test",)  # CIFAR-100 has a train and a test split; training evaluates on test
-
-
-def check_settings(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
-    """Settings this recipe cannot honour, refused before any work."""
-    if not 0 <= cfg.stages.probe_epochs <= cfg.trainer.epochs:
-        raise UserError(f"stages.probe_epochs={cfg.stages.probe_epochs} must be between 0 and "
-                        f"trainer.epochs={cfg.trainer.epochs}")
-    if cfg.trainer.precision == "fp16":
-        raise UserError("trainer.precision=fp16 is not supported here: use bf16 (no loss scaling needed) or fp32")
-    if cfg.fsdp.cpu_offload and dist_info.device.type != "cuda":
-        raise UserError("fsdp.cpu_offload moves GPU state to host memory: it needs device=cuda")
-
-
-def eval_batches(
-    num_samples: int, rank: int, world_size: int, batch_size: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's evaluation batches as (indices, keep mask): each sample is kept on exactly one
-    rank, and every rank gets the same number of batches (FSDP gathers weights collectively), so
-    a rank with one sample fewer pads with a masked-out sample."""
-    sampler = ResumableDistributedSampler(num_samples, rank, world_size, shuffle=False, drop_last=False)
-    mine = torch.tensor(list(sampler), dtype=torch.long)
-    per_rank = math.ceil(num_samples / world_size)
-    indices = torch.zeros(per_rank, dtype=torch.long)
-    indices[: len(mine)] = mine
-    keep = torch.arange(per_rank) < len(mine)
-    return list(zip(indices.split(batch_size), keep.split(batch_size)))
-
-
-def model_as_trained(cfg: DinoV2FSDPConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
-    """The model as training holds it: on the device, sharded with FSDP2 over the ranks (or on one
-    rank with ``fsdp.on_one_rank``), in fp32 with FSDP's bf16 policy or whole under autocast."""
-    check_settings(cfg, dist_info)
-    model = build_model(cfg.model, pretrained)
-    checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, cfg.model.name)
-    model = on_device(model, dist_info.device, cfg.trainer.channels_last)
-    if is_sharded(cfg, dist_info):  # bf16 parameters for compute, fp32 gradient reductions
-        fully_shard_blocks(model, model.blocks, bf16_parameters=cfg.trainer.precision == "bf16",
-                           reshard_after_forward=cfg.fsdp.reshard_after_forward, cpu_offload=cfg.fsdp.cpu_offload)
-    return model
-
-
-def is_sharded(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> bool:
-    return dist_info.distributed or cfg.fsdp.on_one_rank
-
-
-def compute_precision(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> str:
-    """The autocast precision around the model: none under FSDP, which casts its parameters itself."""
-    return "fp32" if is_sharded(cfg, dist_info) else cfg.trainer.precision
-
-
-def evaluator(cfg: DinoV2FSDPConfig, dist_info: DistInfo, split: str) -> Evaluate:
-    """Loss, top-1 and top-5 accuracy over the CIFAR-100 ``split``, from sums over all ranks; the
-    whole split on the device, resized to the model's input size batch by batch."""
-    data = cifar100.load_split(cfg.data.root, split)
-    images, labels = data.images.to(dist_info.device), data.labels.to(dist_info.device)
-    normalize = Normalize(MEAN, STD, dist_info.device, input_max=1)
-    batches = eval_batches(len(images), dist_info.rank, dist_info.world_size, cfg.trainer.eval_batch_size)
-    precision = compute_precision(cfg, dist_info)
-
-    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
-        sums = SumMetrics(dist_info.device)
-        inputs = ((to_model_input(images[batch.to(images.device)], cfg.model.image_size, normalize),
-                   (labels[batch.to(images.device)], keep.to(images.device))) for batch, keep in batches)
-        for logits, (targets, keep) in model_outputs(model, inputs, dist_info.device, precision,
-                                                     cfg.trainer.channels_last):
-            add_classification(sums, logits, targets, keep)
-        return classification_metrics(sums.reduce(), metric_prefix(of_ema))
-
-    return evaluate
-
-
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW over the trainable parameters, no weight decay on norms and biases; PyTorch's default
     implementation (foreach on CUDA), which works on FSDP2's sharded parameters."""
     return torch.optim.AdamW(weight_decay_groups(model, weight_decay), lr=lr)
-
-
-def process_group(cfg: DinoV2FSDPConfig) -> dict[str, bool]:
-    """The process group FSDP needs: gloo beside nccl for CPU offload, a group even of one rank."""
-    return process_group_options(cfg.fsdp.on_one_rank, cfg.fsdp.cpu_offload)
 
 
 def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
@@ -243,6 +169,4 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    from recipes.dinov2_fsdp.spec import SPEC  # the schema and process-group options (spec.py imports this file)
-
     exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

@@ -1,5 +1,6 @@
 """fashion_mnist as the shared tools see it (``common/recipes.py``): ``make eval``, ``make export``
-and ``init_from=`` read this alone.
+and ``init_from=`` read this alone. ``train.py`` imports the model as trained, the splits and
+the evaluation from here (this module imports nothing of it), so training and the tools share them.
 
 The export keeps the model's own tensor names (a plain ``nn.Sequential``):
 ``recipes.fashion_mnist.model.build_model`` with the exported ``model`` config loads it.
@@ -10,13 +11,42 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from common.recipes import RecipeSpec
+from common.after_training.evaluate import classification_scores, metric_prefix
+from common.data.sampler import ResumableDistributedSampler
+from common.pytorch.activation_checkpointing import checkpoint_blocks
+from common.pytorch.distributed import DistInfo, on_device
+from common.recipes import Evaluate, RecipeSpec
 from recipes.fashion_mnist.config import FashionMNISTConfig, ModelConfig
-from recipes.fashion_mnist.data import CLASSES, MEAN, STD
+from recipes.fashion_mnist.data import CLASSES, MEAN, STD, load_split, normalize
 from recipes.fashion_mnist.model import IMAGE_SIZE, build_model
-from recipes.fashion_mnist.train import SPLITS, evaluator, model_as_trained
+
+SPLITS = ("test",)  # Fashion-MNIST has a train and a test split; training evaluates on test
+
+
+def model_as_trained(cfg: FashionMNISTConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
+    """The model as training holds it, before DDP and compile (there are no pretrained weights)."""
+    model = build_model(cfg.model)
+    checkpoint_blocks(model, cfg.trainer.activation_checkpointing)
+    return on_device(model, dist_info.device, cfg.trainer.channels_last)
+
+
+def evaluator(cfg: FashionMNISTConfig, dist_info: DistInfo, split: str) -> Evaluate:
+    """Loss, top-1 and top-5 accuracy over ``split``, each image counted once across ranks; the
+    whole split on the device."""
+    images, labels = (t.to(dist_info.device) for t in load_split(cfg.data.root, split))
+    sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,
+                                          drop_last=False)
+
+    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
+        batches = ((normalize(images[batch]), labels[batch])
+                   for batch in sampler.index_batches(cfg.trainer.eval_batch_size, images.device))
+        return classification_scores(model, batches, dist_info.device, cfg.trainer.precision,
+                                     cfg.trainer.channels_last, metric_prefix(of_ema))
+
+    return evaluate
 
 
 def head_names(model_cfg: ModelConfig) -> list[str]:

@@ -13,47 +13,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.after_training.evaluate import classification_scores, metric_prefix
 from common.data.image_batches import random_crop_and_flip
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import exit_process, recipe_main
-from common.pytorch.activation_checkpointing import checkpoint_blocks
-from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_generator
-from common.recipes import Evaluate
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.fashion_mnist.config import FashionMNISTConfig
 from recipes.fashion_mnist.data import BLACK, load_split, normalize
-from recipes.fashion_mnist.model import build_model
-
-SPLITS = ("test",)  # Fashion-MNIST has a train and a test split; training evaluates on test
-
-
-def model_as_trained(cfg: FashionMNISTConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
-    """The model as training holds it, before DDP and compile (there are no pretrained weights)."""
-    model = build_model(cfg.model)
-    checkpoint_blocks(model, cfg.trainer.activation_checkpointing)
-    return on_device(model, dist_info.device, cfg.trainer.channels_last)
-
-
-def evaluator(cfg: FashionMNISTConfig, dist_info: DistInfo, split: str) -> Evaluate:
-    """Loss, top-1 and top-5 accuracy over ``split``, each image counted once across ranks; the
-    whole split on the device."""
-    images, labels = (t.to(dist_info.device) for t in load_split(cfg.data.root, split))
-    sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,
-                                          drop_last=False)
-
-    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
-        batches = ((normalize(images[batch]), labels[batch])
-                   for batch in sampler.index_batches(cfg.trainer.eval_batch_size, images.device))
-        return classification_scores(model, batches, dist_info.device, cfg.trainer.precision,
-                                     cfg.trainer.channels_last, metric_prefix(of_ema))
-
-    return evaluate
+from recipes.fashion_mnist.spec import SPEC, SPLITS, evaluator, model_as_trained
 
 
 def train(cfg: FashionMNISTConfig, dist_info: DistInfo) -> None:
@@ -137,6 +109,4 @@ def train(cfg: FashionMNISTConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    from recipes.fashion_mnist.spec import SPEC  # the schema and process-group options (spec.py imports this file)
-
     exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import timm
 import torch
+import torch.nn.functional as F
 from timm.optim import param_groups_layer_decay
 from torch import nn
 
 from common.errors import UserError
 from common.pytorch.optim import weight_decay_groups
 from common.pytorch.weights import missing, read_pretrained_cfg, read_state_dict
+from recipes.fungitastic import metadata
 from recipes.fungitastic.config import ModelConfig
 
 HUB_PREFIX = "hf-hub:"
@@ -176,3 +178,32 @@ def layer_decay_groups(model: TaxonomyClassifier, lr: float, weight_decay: float
         group["lr"] = lr
         groups.append(group)
     return groups
+
+
+class MultiTaskLoss:
+    """Sum over levels of ``weight[level] * cross-entropy`` (a level without a weight weighs 1);
+    labels of -1 are ignored."""
+
+    def __init__(self, levels: list[str], level_weights: dict[str, float], class_weights: dict[str, torch.Tensor],
+                 label_smoothing: float) -> None:
+        self.levels = levels
+        self.level_weights = {level: float(level_weights.get(level, 1.0)) for level in levels}
+        self.class_weights = class_weights
+        self.label_smoothing = label_smoothing
+
+    def __call__(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor, training: bool = True) -> torch.Tensor:
+        """Training: the weighted sum of per-level means (class weights, smoothing). Evaluation:
+        the plain per-sample sum, so that a split's loss is exact however it is batched."""
+        total = torch.zeros((), device=labels.device)
+        for column, level in enumerate(self.levels):
+            target = labels[:, column]
+            if training:
+                loss = F.cross_entropy(outputs[level].float(), target, weight=self.class_weights.get(level),
+                                       ignore_index=metadata.UNKNOWN, label_smoothing=self.label_smoothing)
+                # A micro-batch with no label at this level adds nothing (its mean is 0/0); a NaN from a
+                # diverging model is kept, for trainer.nonfinite to see.
+                loss = torch.where((target != metadata.UNKNOWN).any(), loss, 0.0)
+            else:
+                loss = F.cross_entropy(outputs[level].float(), target, ignore_index=metadata.UNKNOWN, reduction="sum")
+            total = total + self.level_weights[level] * loss
+        return total

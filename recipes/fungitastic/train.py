@@ -15,20 +15,16 @@ validation and test metrics. The checkpoint with the best validation species mac
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from common.after_training.evaluate import metric_prefix, model_outputs, most_batches
 from common.data.decode_choice import choose_train_decode
 from common.data.device_input import DeviceTrainInput
-from common.data.image_batches import Normalize
-from common.data.images import ResizedImages, TrainImages, collate_train
-from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
+from common.data.images import TrainImages, collate_train
+from common.data.loaders import PerSampleSeeded, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import exit_process, recipe_main
 from common.errors import UserError
-from common.pytorch.activation_checkpointing import checkpoint_blocks, residual_blocks
-from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
-from common.pytorch.fsdp import check_fsdp_settings, fully_shard_blocks, process_group_options
+from common.pytorch.activation_checkpointing import residual_blocks
+from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine
 from common.pytorch.precision import autocast, grad_scaler
@@ -38,114 +34,8 @@ from common.run.training_run import TrainingRun
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import FungiTasticConfig
 from recipes.fungitastic.data import split_files, train_augmentation
-from recipes.fungitastic.metrics import TaxonomyMetrics, species_marginals
-from recipes.fungitastic.model import build_model, input_normalization, layer_decay_groups
-
-SPLITS = ("val", "test")  # training evaluates on val each epoch, and on both at the end
-
-
-class MultiTaskLoss:
-    """Sum over levels of ``weight[level] * cross-entropy`` (a level without a weight weighs 1);
-    labels of -1 are ignored."""
-
-    def __init__(self, levels: list[str], level_weights: dict[str, float], class_weights: dict[str, torch.Tensor],
-                 label_smoothing: float) -> None:
-        self.levels = levels
-        self.level_weights = {level: float(level_weights.get(level, 1.0)) for level in levels}
-        self.class_weights = class_weights
-        self.label_smoothing = label_smoothing
-
-    def __call__(self, outputs: dict[str, torch.Tensor], labels: torch.Tensor, training: bool = True) -> torch.Tensor:
-        """Training: the weighted sum of per-level means (class weights, smoothing). Evaluation:
-        the plain per-sample sum, so that a split's loss is exact however it is batched."""
-        total = torch.zeros((), device=labels.device)
-        for column, level in enumerate(self.levels):
-            target = labels[:, column]
-            if training:
-                loss = F.cross_entropy(outputs[level].float(), target, weight=self.class_weights.get(level),
-                                       ignore_index=metadata.UNKNOWN, label_smoothing=self.label_smoothing)
-                # A micro-batch with no label at this level adds nothing (its mean is 0/0); a NaN from a
-                # diverging model is kept, for trainer.nonfinite to see.
-                loss = torch.where((target != metadata.UNKNOWN).any(), loss, 0.0)
-            else:
-                loss = F.cross_entropy(outputs[level].float(), target, ignore_index=metadata.UNKNOWN, reduction="sum")
-            total = total + self.level_weights[level] * loss
-        return total
-
-
-def class_counts(cfg: FungiTasticConfig, mappings: dict) -> dict[str, int]:
-    """Each configured level's number of classes, from the label spaces `make prep-fungitastic` wrote."""
-    unknown = [level for level in cfg.data.levels if level not in mappings["num_classes"]]
-    if unknown:
-        raise UserError(f"data.levels names {unknown}; taxonomic_mappings.json has {mappings['levels']}")
-    return {level: mappings["num_classes"][level] for level in cfg.data.levels}
-
-
-def model_as_trained(cfg: FungiTasticConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
-    """The model as training holds it, before DDP and compile: one head per level, on the device,
-    sharded with FSDP2 (each backbone block a unit) under ``fsdp.enabled``."""
-    check_fsdp_settings(cfg.fsdp.enabled, cfg.fsdp.cpu_offload, dist_info.device, cfg.trainer.precision)
-    num_classes = class_counts(cfg, metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset))
-    model = build_model(cfg.model, num_classes, list(cfg.data.levels), cfg.data.image_size, pretrained)
-    checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, cfg.model.name)
-    # FSDP2 shards contiguous tensors only: under it the weights keep PyTorch's layout (the inputs are still
-    # channels-last with trainer.channels_last, and the convolutions compute in that layout).
-    model = on_device(model, dist_info.device, cfg.trainer.channels_last and not cfg.fsdp.enabled)
-    if cfg.fsdp.enabled:  # fp32 parameters: trainer.precision's autocast computes as it does under DDP
-        fully_shard_blocks(model, residual_blocks(model.backbone), bf16_parameters=False,
-                           reshard_after_forward=cfg.fsdp.reshard_after_forward, cpu_offload=cfg.fsdp.cpu_offload)
-    return model
-
-
-def process_group(cfg: FungiTasticConfig) -> dict[str, bool]:
-    """The process group FSDP2 needs (``fsdp.enabled``): a group even of one rank."""
-    return process_group_options(cfg.fsdp.enabled, cfg.fsdp.cpu_offload)
-
-
-class SplitEvaluation:
-    """The evaluation of one split (the recipe's evaluator): top-1, top-3 and macro-F1
-    per level and hierarchy consistency (metrics named ``<split>/...``), each image counted once
-    across ranks; whole images resized to the model's input in DataLoader workers, normalised on
-    the device as training normalises them. ``files`` says which rows the split holds."""
-
-    def __init__(self, cfg: FungiTasticConfig, dist_info: DistInfo, split: str) -> None:
-        self.cfg, self.dist_info, self.split = cfg, dist_info, split
-        self.levels = list(cfg.data.levels)
-        mappings = metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset)
-        self.num_classes = class_counts(cfg, mappings)
-        self.files = split_files(cfg.data, split, mappings, cfg.run_dir, dist_info.local_rank)
-        self.parents = ({level: metadata.parent_table(mappings, level) for level in self.levels if level != "species"}
-                        if "species" in self.levels else {})
-        self.heads = dict(self.num_classes)
-        if self.parents and cfg.model.derive_from_species:
-            self.heads |= {f"{level}_from_species": self.num_classes[level] for level in self.parents}
-        self.criterion = MultiTaskLoss(self.levels, dict(cfg.loss.level_weights), {}, cfg.optim.label_smoothing)
-        sampler = ResumableDistributedSampler(len(self.files.images), dist_info.rank, dist_info.world_size,
-                                              shuffle=False, drop_last=False)
-        images = ResizedImages(self.files.images, cfg.data.image_size, cfg.data.draft_decode)
-        # Own generator: creating an iterator must not draw from the global RNG that drop path uses.
-        self.loader = make_loader(images, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
-                                  dist_info.device.type == "cuda", generator=torch.Generator())
-        self.normalize = Normalize(*input_normalization(cfg.model, cfg.data.image_size), dist_info.device)
-        self.forwards = most_batches(len(self.files.images), dist_info.world_size, cfg.trainer.eval_batch_size)
-
-    def __call__(self, model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
-        cfg, device, levels = self.cfg, self.dist_info.device, self.levels
-        metrics = TaxonomyMetrics(self.heads, self.parents, device)
-        batches = ((self.normalize(batch), labels.to(device, non_blocking=True)) for batch, labels in self.loader)
-        for outputs, labels in model_outputs(model, batches, device, cfg.trainer.precision, cfg.trainer.channels_last,
-                                             self.forwards):
-            outputs = {level: logits.float() for level, logits in outputs.items()}
-            metrics.add_loss(self.criterion(outputs, labels, training=False), len(labels))
-            for column, level in enumerate(levels):
-                metrics.add_level(level, outputs[level], labels[:, column])
-            if self.parents:
-                metrics.add_consistency({level: logits.argmax(1) for level, logits in outputs.items()})
-                if cfg.model.derive_from_species:
-                    for level, table in self.parents.items():
-                        derived = species_marginals(outputs["species"], table, self.num_classes[level])
-                        metrics.add_level(f"{level}_from_species", derived, labels[:, levels.index(level)])
-        return metrics.compute(metric_prefix(of_ema, self.split))
+from recipes.fungitastic.model import MultiTaskLoss, input_normalization, layer_decay_groups
+from recipes.fungitastic.spec import SPEC, SPLITS, SplitEvaluation, class_counts, model_as_trained
 
 
 def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
@@ -291,6 +181,4 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    from recipes.fungitastic.spec import SPEC  # the schema and process-group options (spec.py imports this file)
-
     exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

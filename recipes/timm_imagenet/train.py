@@ -27,89 +27,36 @@ from timm.optim import create_optimizer_v2, list_optimizers
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
-from common.after_training.evaluate import classification_scores, metric_prefix, most_batches
 from common.config import DataFormat
 from common.data.decode_choice import choose_train_decode
 from common.data.device_input import DeviceTrainInput
-from common.data.image_batches import Normalize
 from common.data.images import TrainImages, collate_train
-from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
+from common.data.loaders import PerSampleSeeded, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.data.staging import stage_directory
 from common.entry import exit_process, recipe_main
 from common.errors import UserError
-from common.pytorch.activation_checkpointing import checkpoint_blocks, residual_blocks
-from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
-from common.pytorch.fsdp import check_fsdp_settings, fully_shard_blocks, process_group_options
+from common.pytorch.activation_checkpointing import residual_blocks
+from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_global_rng
-from common.recipes import Evaluate
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.timm_imagenet.config import TimmImageNetConfig
 from recipes.timm_imagenet.data import (
-    EvalImages,
     check_layout,
     class_names,
     describe_input,
-    eval_transform,
     random_erasing,
     resolve,
     split_files,
     split_images,
     train_augmentation,
 )
-from recipes.timm_imagenet.model import build_model
 from recipes.timm_imagenet.sampler import RepeatedAugmentationSampler
-
-SPLITS = ("val",)  # data.val_split of the ImageFolder tree; ImageNet's test labels are not public
-
-
-def model_as_trained(cfg: TimmImageNetConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
-    """The model as training holds it, before DDP and compile: one output per class folder, sharded
-    with FSDP2 (each block a unit) under ``fsdp.enabled``."""
-    check_fsdp_settings(cfg.fsdp.enabled, cfg.fsdp.cpu_offload, dist_info.device, cfg.trainer.precision)
-    model = build_model(cfg.model, len(class_names(cfg.data)), pretrained)
-    checkpoint_blocks(model, cfg.trainer.activation_checkpointing, cfg.model.name)
-    # FSDP2 shards contiguous tensors only: under it the weights keep PyTorch's layout (the inputs are still
-    # channels-last with trainer.channels_last, and the convolutions compute in that layout).
-    model = on_device(model, dist_info.device, cfg.trainer.channels_last and not cfg.fsdp.enabled)
-    if cfg.fsdp.enabled:  # fp32 parameters: trainer.precision's autocast computes as it does under DDP
-        fully_shard_blocks(model, residual_blocks(model), bf16_parameters=False,
-                           reshard_after_forward=cfg.fsdp.reshard_after_forward, cpu_offload=cfg.fsdp.cpu_offload)
-    return model
-
-
-def process_group(cfg: TimmImageNetConfig) -> dict[str, bool]:
-    """The process group FSDP2 needs (``fsdp.enabled``): a group even of one rank."""
-    return process_group_options(cfg.fsdp.enabled, cfg.fsdp.cpu_offload)
-
-
-def evaluator(cfg: TimmImageNetConfig, dist_info: DistInfo, split: str) -> Evaluate:
-    """Loss, top-1 and top-5 over the val folder (or its shards) with timm's evaluation transform
-    (resize, centre crop; normalised on the device), each image counted once across ranks."""
-    if cfg.data.format == DataFormat.files:
-        check_layout(cfg.data.root, cfg.data.train_split, cfg.data.val_split)
-    source, classes, _ = split_images(cfg.data, cfg.data.val_split, cfg.run_dir, dist_info.local_rank)
-    with torch.device("meta"):  # only its data config (size, interpolation, mean and std) is read
-        eval_config = resolve(build_model(cfg.model, len(classes), pretrained=False), cfg.data.eval_size,
-                              cfg.data.eval_crop_pct, cfg.data.interpolation)
-    images = EvalImages(source, eval_transform(eval_config))
-    sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,
-                                          drop_last=False)
-    loader = make_loader(images, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
-                         dist_info.device.type == "cuda")
-    normalize = Normalize(eval_config["mean"], eval_config["std"], dist_info.device)
-    forwards = most_batches(len(images), dist_info.world_size, cfg.trainer.eval_batch_size)
-
-    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
-        batches = ((normalize(batch), labels.to(dist_info.device, non_blocking=True)) for batch, labels in loader)
-        return classification_scores(model, batches, dist_info.device, cfg.trainer.precision,
-                                     cfg.trainer.channels_last, metric_prefix(of_ema), forwards)
-
-    return evaluate
+from recipes.timm_imagenet.spec import SPEC, SPLITS, evaluator, model_as_trained
 
 
 def make_criterion(cfg: TimmImageNetConfig, mixing: bool) -> torch.nn.Module:
@@ -281,6 +228,4 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    from recipes.timm_imagenet.spec import SPEC  # the schema and process-group options (spec.py imports this file)
-
     exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process

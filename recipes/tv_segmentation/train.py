@@ -13,76 +13,22 @@ from __future__ import annotations
 
 import torch
 
-from common.after_training.evaluate import metric_prefix, model_outputs
 from common.data.image_batches import Normalize
-from common.data.loaders import PerSampleSeeded, make_loader, make_train_loader
+from common.data.loaders import PerSampleSeeded, make_train_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import exit_process, recipe_main
-from common.pytorch.activation_checkpointing import checkpoint_blocks
-from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync, on_device
+from common.pytorch.distributed import DistInfo, data_parallel, gradient_sync
 from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything
-from common.recipes import Evaluate
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.tv_segmentation.config import TvSegmentationConfig
-from recipes.tv_segmentation.data import (
-    MEAN,
-    STD,
-    SegmentationDataset,
-    class_names,
-    eval_transform,
-    find_pairs,
-    pad_collate,
-    train_transform,
-)
-from recipes.tv_segmentation.metrics import ConfusionMatrix, segmentation_scores
-from recipes.tv_segmentation.model import build_model, head_lr_groups, segmentation_loss, training_resize, warmup_poly
-from recipes.tv_segmentation.sync_batchnorm import AllReduceBatchNorm, convert_sync_batchnorm
-
-SPLITS = ("val",)  # data.val_split; VOC's and COCO's test annotations are not public
-
-
-def model_as_trained(cfg: TvSegmentationConfig, dist_info: DistInfo, pretrained: bool = True) -> torch.nn.Module:
-    """The model as training holds it, before DDP and compile: BatchNorm synchronised across
-    ranks under DDP (``model.sync_batchnorm``), the backbone's activations recomputed in the
-    backward pass with ``trainer.activation_checkpointing``, on the device."""
-    model = build_model(cfg.model, pretrained)
-    checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, f"the backbone of {cfg.model.name}")
-    if dist_info.distributed and cfg.model.sync_batchnorm:
-        model, _ = convert_sync_batchnorm(model)
-    return on_device(model, dist_info.device, cfg.trainer.channels_last)
-
-
-def evaluator(cfg: TvSegmentationConfig, dist_info: DistInfo, split: str) -> Evaluate:
-    """mIoU, pixel accuracy and per-class IoU over the val split, from one confusion matrix summed
-    over ranks (each pixel counted once); images decoded in DataLoader workers, uint8 to the device."""
-    dataset = SegmentationDataset(find_pairs(cfg.data, cfg.data.val_split), eval_transform(cfg.data),
-                                  cfg.model.num_classes, augment=False)
-    sampler = ResumableDistributedSampler(len(dataset), dist_info.rank, dist_info.world_size, shuffle=False,
-                                          drop_last=False)
-    # Own generator: creating an iterator must not draw from the global RNG that dropout uses.
-    loader = make_loader(dataset, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
-                         dist_info.device.type == "cuda", collate_fn=pad_collate, generator=torch.Generator())
-    normalize = Normalize(MEAN, STD, dist_info.device)
-
-    def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
-        matrix = ConfusionMatrix(cfg.model.num_classes, dist_info.device)
-        batches = ((normalize(images), masks.to(dist_info.device, non_blocking=True)) for images, masks in loader)
-        for outputs, masks in model_outputs(model, batches, dist_info.device, cfg.trainer.precision,
-                                            cfg.trainer.channels_last):
-            matrix.update(masks, outputs["out"].argmax(1))
-        scores = segmentation_scores(matrix.reduce())
-        prefix = metric_prefix(of_ema)
-        metrics = {f"{prefix}/miou": scores["miou"], f"{prefix}/pixel_accuracy": scores["pixel_accuracy"]}
-        for name, iou in zip(class_names(cfg.model.num_classes), scores["iou"]):
-            if iou == iou:  # NaN: the class is neither in the targets nor predicted
-                metrics[f"{prefix}/iou/{name}"] = iou
-        return metrics
-
-    return evaluate
+from recipes.tv_segmentation.data import MEAN, STD, SegmentationDataset, find_pairs, pad_collate, train_transform
+from recipes.tv_segmentation.model import head_lr_groups, segmentation_loss, training_resize, warmup_poly
+from recipes.tv_segmentation.spec import SPEC, SPLITS, evaluator, model_as_trained
+from recipes.tv_segmentation.sync_batchnorm import AllReduceBatchNorm
 
 
 def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
@@ -171,6 +117,4 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
 
 
 if __name__ == "__main__":
-    from recipes.tv_segmentation.spec import SPEC  # the schema and process-group options (spec.py imports this file)
-
     exit_process(recipe_main(SPEC, train))  # overrides from the command line; train() in a training process
