@@ -813,4 +813,13 @@ MUTATIONS: list[Mutation] = [
         (f"{SOURCES}test_staging_shards_to_local_disk_is_refused_in_one_line",),
         "data.stage_to_local=true with shards copies nothing, without a word",
     ),
+    # ---- issue 43: telemetry that adds up, a start-up that is accounted for --------------------------
+    Mutation(
+        "images-per-s-counts-evaluations", "common/records/telemetry.py",
+        '        metrics = {"train/images_per_s": self.samples * world_size / training,',
+        '        metrics = {"train/images_per_s": self.samples * world_size / (training + self._excluded),',
+        ("tests/test_telemetry.py::"
+         "test_images_per_s_counts_the_time_step_s_counts_in_a_window_that_holds_a_slow_evaluation",),
+        "the window holding an epoch's evaluation logs images/s well below its step time's, and looks like a slowdown",
+    ),
 ]
