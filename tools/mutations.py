@@ -822,4 +822,31 @@ MUTATIONS: list[Mutation] = [
          "test_images_per_s_counts_the_time_step_s_counts_in_a_window_that_holds_a_slow_evaluation",),
         "the window holding an epoch's evaluation logs images/s well below its step time's, and looks like a slowdown",
     ),
+    Mutation(
+        "start-up-phases-overlap", "common/records/startup.py",
+        "        self._phase_start = now\n", "",
+        ("tests/test_startup.py::test_every_recipe_times_its_start_up_phases_in_order_to_its_first_step[fashion_mnist]",),
+        "every start-up phase counts from the process's start: they add up to more than the start-up took",
+    ),
+    Mutation(
+        "start-up-ends-before-the-first-step", "common/run/training_run.py",
+        "            self._end_startup(startup.FIRST_STEP)", "            self._end_startup(None)",
+        ("tests/test_startup.py::test_every_recipe_times_its_start_up_phases_in_order_to_its_first_step[timm_imagenet]",
+         "tests/test_startup.py::"
+         "test_summary_json_and_the_first_log_hold_the_start_up_of_the_segment_that_wrote_them_printed_once"),
+        "the first step's autotuning, compilation and FLOP count are missing from the start-up",
+    ),
+    Mutation(
+        "start-up-in-every-log", "common/run/training_run.py",
+        "            self._startup_logged = True\n", "",
+        ("tests/test_startup.py::"
+         "test_summary_json_and_the_first_log_hold_the_start_up_of_the_segment_that_wrote_them_printed_once",),
+        "every training log repeats the segment's start-up",
+    ),
+    Mutation(
+        "decode-choice-not-timed", "recipes/timm_imagenet/train.py",
+        "    startup.done(startup.DECODE_CHOICE)\n", "",
+        ("tests/test_startup.py::test_every_recipe_times_its_start_up_phases_in_order_to_its_first_step[timm_imagenet]",),
+        "data.decode=auto's measurement hides in the first step's time",
+    ),
 ]
