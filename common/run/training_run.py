@@ -370,12 +370,13 @@ class TrainingRun:
         Collective on several ranks."""
         metrics = {**metrics, **self.telemetry.report(self.dist_info.world_size, self.progress.flops_per_sample,
                                                       self.cadence.group)}
-        if self.startup is not None and not self._startup_logged:
-            self._startup_logged = True
-            metrics |= {f"startup/{phase}_s": seconds for phase, seconds in self.startup.phases.items()}
         if self.out_of_memory.halves:
             metrics["train/micro_batch_size"] = float(self.micro_batch)
-        self.logger.log(metrics, self.progress.step)
+        logged = metrics
+        if self.startup is not None and not self._startup_logged:  # in the logs; the console had its line
+            self._startup_logged = True
+            logged = metrics | {f"startup/{phase}_s": seconds for phase, seconds in self.startup.phases.items()}
+        self.logger.log(logged, self.progress.step)
         if self._bar is not None:
             self._bar.set_postfix({name.removeprefix("train/"): f"{value:.4g}" for name, value in metrics.items()})
 
