@@ -7,8 +7,9 @@ takes the record (:func:`end`) into the first training log, one console line and
 - A phase is the time since the previous one ended: the phases add up to the time from the process's
   start to the end of its first step, with nothing counted twice or left out.
 - One segment per process: each start and resume records its own (a later :func:`begin` starts afresh).
-- Host clock only; ``TrainingRun`` waits for the device once, after the first step, so that the
-  ``first_step`` phase holds its kernels (autotuning, compilation) and not only their launch.
+- Host clock only, and no wait for the device (``make gpu-check`` allows no host sync in a step): the
+  first step ends when the host is done with it. Autotuning and compilation run on the host and are in
+  it; on a GPU, kernels it queued and the device has not yet run fall into the next step.
 """
 
 from __future__ import annotations

@@ -352,8 +352,6 @@ class TrainingRun:
             self.progress.flops_per_sample = self._flop_count.stop() / max(samples, 1)
             self._flop_count = None
         if self._starting:
-            if self.dist_info.device.type == "cuda":  # once: the first step's kernels, not only their launch
-                torch.cuda.synchronize(self.dist_info.device)
             self._end_startup(startup.FIRST_STEP)
         self.profiler.step_finished(self.progress.step)
         self._bar.update()
