@@ -71,3 +71,16 @@ def test_summary_json_and_the_first_log_hold_the_start_up_of_the_segment_that_wr
 
 def start_up_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("start-up ")]
+
+
+def test_a_run_that_times_no_start_up_records_none_after_a_run_stopped_before_its_first_step(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """In one process (a notebook, a search's trials, these tests) a recipe stopped before its first step
+    leaves its start-up unfinished: a later run that times none must not take it as its own."""
+    from tests.test_telemetry import train_tiny
+
+    recipe = "fashion_mnist"
+    seen = probe(recipe, Configs(recipe, tmp_path, tiny_settings(recipe, tmp_path_factory))(), steps=0)
+    assert seen.error is None and seen.run.progress.step == 0
+    records, _ = train_tiny(tmp_path / "untimed")
+    assert records and not [key for record in records for key in record if key.startswith("startup/")]

@@ -849,4 +849,11 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_startup.py::test_every_recipe_times_its_start_up_phases_in_order_to_its_first_step[timm_imagenet]",),
         "data.decode=auto's measurement hides in the first step's time",
     ),
+    Mutation(
+        "start-up-taken-by-any-run", "common/records/startup.py",
+        "    if _current is None or _current.claimed:\n", "    if _current is None:\n",
+        ("tests/test_startup.py::"
+         "test_a_run_that_times_no_start_up_records_none_after_a_run_stopped_before_its_first_step",),
+        "in a notebook or a search's trials, a run reports the start-up of one that stopped before its first step",
+    ),
 ]

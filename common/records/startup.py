@@ -1,8 +1,9 @@
 """How long a segment's start-up took, phase by phase, from the process's start to its first step done.
 
 A recipe's ``train()`` starts the clock with :func:`begin` (ending the process's imports and config) and
-ends each of its own phases with :func:`done`; ``TrainingRun`` ends ``resume`` and ``first_step`` and
-takes the record (:func:`end`) into the first training log, one console line and ``summary.json``.
+ends each of its own phases with :func:`done`; its ``TrainingRun`` takes the record (:func:`claim`), ends
+``resume`` and ``first_step`` (:func:`end`) and puts it in the first training log, one console line and
+``summary.json``.
 
 - A phase is the time since the previous one ended: the phases add up to the time from the process's
   start to the end of its first step, with nothing counted twice or left out.
@@ -43,6 +44,7 @@ class StartUp:
     """The phases of one segment's start-up so far: ``phases`` maps each name to its seconds, in order."""
 
     def __init__(self) -> None:
+        self.claimed = False  # by the segment's TrainingRun
         self.began = process_start()
         self._phase_start = self.began
         self.phases: dict[str, float] = {}
@@ -75,10 +77,19 @@ def done(phase: str) -> None:
         _current.done(phase)
 
 
-def end(phase: str | None = None) -> StartUp | None:
-    """End the start-up (with ``phase``, when given) and hand over its record; None when none was timed."""
+def claim() -> StartUp | None:
+    """The start-up being timed, for the run of its segment; None when none is, or a run has it already (a
+    run in the same process after one that stopped before its first step)."""
+    if _current is None or _current.claimed:
+        return None
+    _current.claimed = True
+    return _current
+
+
+def end(record: StartUp, phase: str | None = None) -> None:
+    """End the start-up ``record`` (with ``phase``, when given): later phases mark nothing."""
     global _current
-    ended, _current = _current, None
-    if ended is not None and phase is not None:
-        ended.done(phase)
-    return ended
+    if phase is not None:
+        record.done(phase)
+    if _current is record:
+        _current = None

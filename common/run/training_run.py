@@ -106,7 +106,7 @@ class TrainingRun:
         self.provenance: dict[str, Any] | None = None  # this segment's record (rank 0), in every manifest it saves
         self.profiler: StepProfiler | None = None
         self._flop_count: FlopCount | None = None
-        self.startup: startup.StartUp | None = None  # this segment's start-up, once its first step is done
+        self.startup = startup.claim()  # this segment's start-up, timed until its first step is done
         self._starting = True  # no step done yet in this segment
         self._startup_logged = False  # in the segment's first training log
         self._bar: Any = None
@@ -359,8 +359,8 @@ class TrainingRun:
     def _end_startup(self, phase: str | None) -> None:
         """This segment's start-up ends (with ``phase``): kept for the first log and the summary, and printed."""
         self._starting = False
-        self.startup = startup.end(phase)
         if self.startup is not None:
+            startup.end(self.startup, phase)
             self.console(self.startup.line())
 
     def log_train(self, metrics: dict[str, float]) -> None:
