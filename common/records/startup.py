@@ -45,8 +45,7 @@ class StartUp:
 
     def __init__(self) -> None:
         self.claimed = False  # by the segment's TrainingRun
-        self.began = process_start()
-        self._phase_start = self.began
+        self._phase_start = process_start()
         self.phases: dict[str, float] = {}
 
     def done(self, phase: str) -> None:
