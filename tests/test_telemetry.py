@@ -250,3 +250,37 @@ def test_the_norm_of_fsdp2_sharded_gradients_is_the_whole_models(tmp_path: Path)
         assert seen["norm"] == pytest.approx(seen["expected"], rel=1e-6) and seen["expected"] > 0.5
         assert seen["clipped_norm"] == pytest.approx(seen["expected"], rel=1e-6), "the norm before clipping"
         assert seen["after"] == pytest.approx(0.5, rel=1e-4)
+
+
+def test_images_per_s_counts_the_time_step_s_counts_in_a_window_that_holds_a_slow_evaluation(
+        tmp_path: Path, fashion_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fashion_mnist, 16 steps an epoch, a log every 6: the window of steps 13-18 holds the first epoch's
+    evaluation (made to sleep 0.5 s) and its save. Its images/s is its samples over the time step_s counts,
+    so images/s x step_s is the samples of a step there as in every window, and the evaluation lowers neither."""
+    from recipes.fashion_mnist import train as fashion_mnist
+    from tests.recipe_probe import Configs, probe
+
+    evaluator = fashion_mnist.evaluator
+
+    def slow_evaluator(*args: object) -> object:
+        evaluate = evaluator(*args)
+
+        def slow(*inner: object, **kwargs: object) -> dict[str, float]:
+            time.sleep(0.5)
+            return evaluate(*inner, **kwargs)
+
+        return slow
+
+    monkeypatch.setattr(fashion_mnist, "evaluator", slow_evaluator)
+    configs = Configs("fashion_mnist", tmp_path, ["model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=16",
+                                                  f"data.root={fashion_data}", "trainer.epochs=2",
+                                                  "trainer.log_every_steps=6", "logging.backend=none",
+                                                  "checkpoint.every_seconds=0"])
+    seen = probe("fashion_mnist", configs(), steps=None)
+    assert seen.error is None
+    records = read_metrics_file(Path(seen.cfg.run_dir) / "tensorboard" / "metrics.jsonl")
+    evaluated_at = [record["step"] for record in records if "eval/top1" in record]
+    windows = [record for record in records if "train/images_per_s" in record]
+    assert [record["step"] for record in windows] == [6, 12, 18, 24, 30] and evaluated_at[0] == 16
+    for record in windows:
+        assert record["train/images_per_s"] * record["train/step_s"] == pytest.approx(16, rel=1e-9), record

@@ -202,7 +202,7 @@ MUTATIONS: list[Mutation] = [
         "macro-F1 and top-k on several ranks count rank 0's samples only",
     ),
     Mutation(
-        "eval-drops-the-last-samples", "recipes/timm_imagenet/train.py",
+        "eval-drops-the-last-samples", "recipes/timm_imagenet/spec.py",
         "sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,\n"
         "                                          drop_last=False)",
         "sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,\n"
@@ -344,7 +344,7 @@ MUTATIONS: list[Mutation] = [
         "data.hflip_prob flips half of the images whatever it says",
     ),
     Mutation(
-        "fungitastic-class-weights-ignored", "recipes/fungitastic/train.py",
+        "fungitastic-class-weights-ignored", "recipes/fungitastic/model.py",
         "weight=self.class_weights.get(level)", "weight=None",
         (f"{KEY}[fungitastic-loss.class_weighted_levels]",),
         "loss.class_weighted_levels leaves the loss unweighted: rare species count as little as before",
@@ -558,7 +558,7 @@ MUTATIONS: list[Mutation] = [
         "a recipe whose loss sum has another name trains unwatched: a NaN run commits NaN checkpoints",
     ),
     Mutation(
-        "fungitastic-loss-hides-nan", "recipes/fungitastic/train.py",
+        "fungitastic-loss-hides-nan", "recipes/fungitastic/model.py",
         "loss = torch.where((target != metadata.UNKNOWN).any(), loss, 0.0)", "loss = torch.nan_to_num(loss)",
         (f"{DIVERGENCE}test_after_a_rollback_train_metrics_are_logged_every_log_every_steps[fungitastic]",),
         "fungitastic's divergence is seen a step late, in the weights, after the NaN step was applied",
@@ -856,5 +856,48 @@ MUTATIONS: list[Mutation] = [
         "    return [*commands, train,", "    return [train,",
         (f"{COPY_TRAINS}[timm_imagenet-False]",),
         "a copy of timm_imagenet, trained as the tool says, stops: its data directory does not exist",
+    ),
+    # ---- issue 43: telemetry that adds up, a start-up that is accounted for --------------------------
+    Mutation(
+        "images-per-s-counts-evaluations", "common/records/telemetry.py",
+        '        metrics = {"train/images_per_s": self.samples * world_size / training,',
+        '        metrics = {"train/images_per_s": self.samples * world_size / (training + self._excluded),',
+        ("tests/test_telemetry.py::"
+         "test_images_per_s_counts_the_time_step_s_counts_in_a_window_that_holds_a_slow_evaluation",),
+        "the window holding an epoch's evaluation logs images/s well below its step time's, and looks like a slowdown",
+    ),
+    Mutation(
+        "start-up-phases-overlap", "common/records/startup.py",
+        "        self._phase_start = now\n", "",
+        ("tests/test_startup.py::test_every_recipe_times_its_start_up_phases_in_order_to_its_first_step[fashion_mnist]",),
+        "every start-up phase counts from the process's start: they add up to more than the start-up took",
+    ),
+    Mutation(
+        "start-up-ends-before-the-first-step", "common/run/training_run.py",
+        "            self._end_startup(startup.FIRST_STEP)", "            self._end_startup(None)",
+        ("tests/test_startup.py::test_every_recipe_times_its_start_up_phases_in_order_to_its_first_step[timm_imagenet]",
+         "tests/test_startup.py::"
+         "test_summary_json_and_the_first_log_hold_the_start_up_of_the_segment_that_wrote_them_printed_once"),
+        "the first step's autotuning, compilation and FLOP count are missing from the start-up",
+    ),
+    Mutation(
+        "start-up-in-every-log", "common/run/training_run.py",
+        "            self._startup_logged = True\n", "",
+        ("tests/test_startup.py::"
+         "test_summary_json_and_the_first_log_hold_the_start_up_of_the_segment_that_wrote_them_printed_once",),
+        "every training log repeats the segment's start-up",
+    ),
+    Mutation(
+        "decode-choice-not-timed", "recipes/timm_imagenet/train.py",
+        "    startup.done(startup.DECODE_CHOICE)\n", "",
+        ("tests/test_startup.py::test_every_recipe_times_its_start_up_phases_in_order_to_its_first_step[timm_imagenet]",),
+        "data.decode=auto's measurement hides in the first step's time",
+    ),
+    Mutation(
+        "start-up-taken-by-any-run", "common/records/startup.py",
+        "    if _current is None or _current.claimed:\n", "    if _current is None:\n",
+        ("tests/test_startup.py::"
+         "test_a_run_that_times_no_start_up_records_none_after_a_run_stopped_before_its_first_step",),
+        "in a notebook or a search's trials, a run reports the start-up of one that stopped before its first step",
     ),
 ]

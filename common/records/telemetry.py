@@ -1,7 +1,9 @@
 """What every training log reports beside the recipe's metrics: step time, data wait, grad norm, memory, MFU.
 
-- Metrics: ``train/step_s``, ``train/data_wait_frac``, ``train/grad_norm``, ``train/max_mem_gib``,
-  ``train/mfu`` and the slowest rank (docs/records.md says what each means).
+- Metrics: ``train/images_per_s``, ``train/step_s``, ``train/data_wait_frac``, ``train/grad_norm``,
+  ``train/max_mem_gib``, ``train/mfu`` and the slowest rank (docs/records.md says what each means).
+- All of them count the same time: the window's, less its checkpoint saves and evaluations
+  (:meth:`StepTelemetry.excluded`), so that images/s times step_s is a step's samples.
 - Timed with the host's clock between logs; the device is read and ranks gathered only in
   :meth:`StepTelemetry.report`, on logging steps. Other steps make no host sync and no collective.
 """
@@ -143,11 +145,9 @@ class StepTelemetry:
         """The metrics of the steps since the last log; starts a new window.
 
         Collective when ``world_size > 1``: gathers each rank's figures over ``group`` (host tensors)."""
-        now = time.perf_counter()
-        elapsed = now - self._start
-        training = max(elapsed - self._excluded, 1e-9)
+        training = max(time.perf_counter() - self._start - self._excluded, 1e-9)  # saves and evaluations left out
         steps = max(self.steps, 1)
-        metrics = {"train/images_per_s": self.samples * world_size / max(elapsed, 1e-9),
+        metrics = {"train/images_per_s": self.samples * world_size / training,
                    "train/step_s": training / steps, "train/data_wait_frac": self._data_wait / training}
         if self.grad_norm is not None:
             metrics["train/grad_norm"] = as_float(self.grad_norm)

@@ -34,7 +34,7 @@ from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
 from common.pytorch.distributed import DistInfo
 from common.pytorch.metrics import SumMetrics
-from common.records import heartbeat
+from common.records import heartbeat, startup
 from common.records.loggers import RunLogger
 from common.records.profiling import StepProfiler
 from common.records.provenance import bit_identity_differences, segment_record
@@ -107,6 +107,9 @@ class TrainingRun:
         self.provenance: dict[str, Any] | None = None  # this segment's record (rank 0), in every manifest it saves
         self.profiler: StepProfiler | None = None
         self._flop_count: FlopCount | None = None
+        self.startup = startup.claim()  # this segment's start-up, timed until its first step is done
+        self._starting = True  # no step done yet in this segment
+        self._startup_logged = False  # in the segment's first training log
         self._bar: Any = None
         # A DataLoader over the plan's EpochBatches: the one iterator the epochs share, and where the
         # sampler must be for it to go on (the next epoch's start once an epoch is done; None: start anew).
@@ -181,6 +184,7 @@ class TrainingRun:
         # the loop asks for its first step: a recipe may hand over its optimizer only after resume()
         # (dinov2_fsdp makes the one of the stage the progress says), and a save needs it.
         self._save_before_next_step = self.divergence.rolls_back and self.loaded is None
+        startup.done(startup.RESUME)
         return self.progress
 
     def reload_latest(self) -> LoadedCheckpoint | None:
@@ -357,8 +361,17 @@ class TrainingRun:
         if self._flop_count is not None:
             self.progress.flops_per_sample = self._flop_count.stop() / max(samples, 1)
             self._flop_count = None
+        if self._starting:
+            self._end_startup(startup.FIRST_STEP)
         self.profiler.step_finished(self.progress.step)
         self._bar.update()
+
+    def _end_startup(self, phase: str | None) -> None:
+        """This segment's start-up ends (with ``phase``): kept for the first log and the summary, and printed."""
+        self._starting = False
+        if self.startup is not None:
+            startup.end(self.startup, phase)
+            self.console(self.startup.line())
 
     def log_train(self, metrics: dict[str, float]) -> None:
         """Log training metrics with the telemetry since the previous log (``common/records/telemetry.py``).
@@ -367,7 +380,11 @@ class TrainingRun:
                                                       self.cadence.group)}
         if self.out_of_memory.halves:
             metrics["train/micro_batch_size"] = float(self.micro_batch)
-        self.logger.log(metrics, self.progress.step)
+        logged = metrics
+        if self.startup is not None and not self._startup_logged:  # in the logs; the console had its line
+            self._startup_logged = True
+            logged = metrics | {f"startup/{phase}_s": seconds for phase, seconds in self.startup.phases.items()}
+        self.logger.log(logged, self.progress.step)
         if self._bar is not None:
             self._bar.set_postfix({name.removeprefix("train/"): f"{value:.4g}" for name, value in metrics.items()})
 
@@ -467,6 +484,8 @@ class TrainingRun:
             at_epoch_end = self.sampler.consumed == 0
             self.save(metrics, milestone=self.milestones.get(self.progress.epoch) if at_epoch_end else None)
         self.checkpoints.wait()
+        if self._starting:  # a segment with no step (a finished run restarted): its start-up up to here
+            self._end_startup(None)
         self._stream = None  # the training loader's workers stop
         self.profiler.close()
         self.logger.close()
@@ -487,6 +506,10 @@ class TrainingRun:
                 summary["early_stopping"] = self.early_stopping.summary(self.progress)
             if self.progress.pruned is not None:
                 summary["pruned"] = self.progress.pruned
+            if self.startup is not None:
+                summary["startup"] = {"segment": self.provenance["segment"],  # in order: JSON's keys are sorted
+                                      "phases_s": [[phase, round(seconds, 3)]
+                                                   for phase, seconds in self.startup.phases.items()]}
             path = write_summary(self.run_dir, recipe=self.recipe, metrics=metrics, progress=self.progress,
                                  world_size=self.dist_info.world_size, model_digest=model_digest,
                                  best_checkpoint=best.path.name if best is not None else None,

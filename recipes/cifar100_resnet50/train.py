@@ -24,6 +24,7 @@ from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, warmup_multistep, weight_decay_groups
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_generator
+from common.records import startup
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config
@@ -32,6 +33,7 @@ from recipes.cifar100_resnet50.spec import SPEC, SPLITS, evaluator, model_as_tra
 
 
 def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
+    startup.begin()  # the start-up's phases, timed to the first step (common/records/startup.py)
     device = dist_info.device
     seed_everything(cfg.seed)
 
@@ -41,6 +43,7 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
     evaluate = evaluator(cfg, dist_info, SPLITS[0])
     augmentation = BatchAugmentation(cfg.data, cfg.mixup, cfg.optim.label_smoothing,
                                      Normalize(MEAN, STD, device, input_max=1))
+    startup.done(startup.DATA)
 
     # ---- model (and its EMA) -------------------------------------------------------------------
     model = model_as_trained(cfg, dist_info)
@@ -68,6 +71,7 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
         scheduler = warmup_cosine(optimizer, warmup_steps, plan.total, cfg.optim.min_lr_ratio)
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
+    startup.done(startup.MODEL)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,

@@ -28,6 +28,7 @@ from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
 from common.pytorch.precision import autocast
 from common.pytorch.rng import seed_everything, seeded_generator
+from common.records import startup
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig
@@ -56,6 +57,7 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
 
 
 def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
+    startup.begin()  # the start-up's phases, timed to the first step (common/records/startup.py)
     device = dist_info.device
     check_settings(cfg, dist_info)
     seed_everything(cfg.seed)
@@ -65,6 +67,7 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
     train_images, train_labels = train_split.images.to(device), train_split.labels.to(device)
     evaluate = evaluator(cfg, dist_info, SPLITS[0])
     normalize = Normalize(MEAN, STD, device, input_max=1)
+    startup.done(startup.DATA)
 
     # ---- model: FSDP2 across ranks (bf16 parameters, fp32 reductions); one rank: autocast ----
     model = model_as_trained(cfg, dist_info)
@@ -99,6 +102,7 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
         return optimizer, scheduler
 
     train_sums = SumMetrics(device)
+    startup.done(startup.MODEL)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     # The model and optimizer are saved through torch.distributed.checkpoint (each rank its FSDP

@@ -21,6 +21,7 @@ from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine, weight_decay_groups
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_generator
+from common.records import startup
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.fashion_mnist.config import FashionMNISTConfig
@@ -29,12 +30,14 @@ from recipes.fashion_mnist.spec import SPEC, SPLITS, evaluator, model_as_trained
 
 
 def train(cfg: FashionMNISTConfig, dist_info: DistInfo) -> None:
+    startup.begin()  # the start-up's phases, timed to the first step (common/records/startup.py)
     device = dist_info.device
     seed_everything(cfg.seed)
 
     # ---- data: the whole dataset on the device, checked before anything else --------------
     train_images, train_labels = (t.to(device) for t in load_split(cfg.data.root, "train"))
     evaluate = evaluator(cfg, dist_info, SPLITS[0])
+    startup.done(startup.DATA)
 
     # ---- model -------------------------------------------------------------------------------
     model = model_as_trained(cfg, dist_info)
@@ -56,6 +59,7 @@ def train(cfg: FashionMNISTConfig, dist_info: DistInfo) -> None:
                               cfg.optim.min_lr_ratio)
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
+    startup.done(startup.MODEL)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,

@@ -29,6 +29,7 @@ from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr, warmup_cosine
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything
+from common.records import startup
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.fungitastic import metadata
@@ -39,6 +40,7 @@ from recipes.fungitastic.spec import SPEC, SPLITS, SplitEvaluation, class_counts
 
 
 def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
+    startup.begin()  # the start-up's phases, timed to the first step (common/records/startup.py)
     device = dist_info.device
     seed_everything(cfg.seed)
     levels = list(cfg.data.levels)
@@ -64,6 +66,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
                                 f"{levels}; rerun `make prep-fungitastic`")
             class_weights[level] = stored[level].to(device)
     criterion = MultiTaskLoss(levels, dict(cfg.loss.level_weights), class_weights, cfg.optim.label_smoothing)
+    startup.done(startup.DATA)
 
     # ---- model ---------------------------------------------------------------------------------
     model = model_as_trained(cfg, dist_info)
@@ -86,6 +89,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
                               cfg.optim.min_lr_ratio)
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
+    startup.done(startup.MODEL)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     # Under fsdp.enabled the model and optimizer state are saved as each rank's shards
@@ -101,6 +105,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_files.images,
                                  cfg.data.draft_decode, model, cfg.data.image_size, device, micro_batch=run.micro_batch,
                                  resumed=progress.decode)
+    startup.done(startup.DECODE_CHOICE)
     progress.decode = decode.decode.value
     train_images = PerSampleSeeded(TrainImages(train_files.images, augmentation, decode.decode, cfg.data.draft_decode),
                                    cfg.seed)

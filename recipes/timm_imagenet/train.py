@@ -42,6 +42,7 @@ from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything, seeded_global_rng
+from common.records import startup
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.timm_imagenet.config import TimmImageNetConfig
@@ -73,6 +74,7 @@ def make_criterion(cfg: TimmImageNetConfig, mixing: bool) -> torch.nn.Module:
 
 
 def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
+    startup.begin()  # the start-up's phases, timed to the first step (common/records/startup.py)
     device = dist_info.device
     seed_everything(cfg.seed)
 
@@ -97,6 +99,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
         raise UserError(f"the {cfg.data.val_split} split holds other classes than {cfg.data.train_split} "
                         f"({train_origin}): prepare both from one dataset")
     evaluate = evaluator(staged, dist_info, SPLITS[0])
+    startup.done(startup.DATA)
 
     # ---- model, and the data config that goes with it (sizes, interpolation, mean/std) -------
     model = model_as_trained(staged, dist_info)
@@ -147,6 +150,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     criterion = make_criterion(cfg, mixing)
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
+    startup.done(startup.MODEL)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     # Under fsdp.enabled the model and optimizer state are saved as each rank's shards
@@ -161,6 +165,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_source, cfg.data.draft_decode,
                                  model, train_config["input_size"][-1], device, micro_batch=run.micro_batch,
                                  resumed=progress.decode)
+    startup.done(startup.DECODE_CHOICE)
     progress.decode = decode.decode.value
     train_images = TrainImages(train_source, augmentation, decode.decode, cfg.data.draft_decode)
     train_loader = make_train_loader(PerSampleSeeded(train_images, cfg.seed), plan.epoch_batches(),

@@ -22,6 +22,7 @@ from common.pytorch.metrics import SumMetrics, ratio
 from common.pytorch.optim import scaled_lr
 from common.pytorch.precision import autocast, grad_scaler
 from common.pytorch.rng import seed_everything
+from common.records import startup
 from common.run.steps import EpochTail, StepPlan, compile_static
 from common.run.training_run import TrainingRun
 from recipes.tv_segmentation.config import TvSegmentationConfig
@@ -32,6 +33,7 @@ from recipes.tv_segmentation.sync_batchnorm import AllReduceBatchNorm
 
 
 def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
+    startup.begin()  # the start-up's phases, timed to the first step (common/records/startup.py)
     device = dist_info.device
     seed_everything(cfg.seed)
 
@@ -48,6 +50,7 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
     train_loader = make_train_loader(train_set, plan.epoch_batches(), cfg.trainer.num_workers, device.type == "cuda",
                                      collate_fn=pad_collate, generator=torch.Generator())
     normalize = Normalize(MEAN, STD, device)  # the loaders hand over uint8
+    startup.done(startup.DATA)
 
     # ---- model: torchvision by name, synchronised BatchNorm under DDP -------------------------
     model = model_as_trained(cfg, dist_info)
@@ -62,6 +65,7 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
                             cfg.optim.poly_power, cfg.optim.warmup_start_factor)
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
+    startup.done(startup.MODEL)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
