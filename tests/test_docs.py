@@ -5,12 +5,16 @@ heading of the page it names, by MkDocs' slug (Python-Markdown's ``toc``), which
 GitHub's so the link works in both places. Every ``make <target>`` named in code is a target of
 the Makefile (a pattern target's stem a recipe, or a ``<placeholder>``). Every config key named in
 code (``trainer.batch_size``, ``data.decode=gpu``) is a key of some recipe's schema. And
-``mkdocs build --strict`` builds the site ``make docs`` builds.
+``mkdocs build --strict`` builds the site ``make docs`` builds, with every picture in it: each
+```mermaid`` diagram as the ``<pre class="mermaid">`` Material draws, on its page, and each image
+copied into the site; the run's life names the exit codes of the table, and the layers' picture
+says what ``tests/test_layers.py`` and the recipes' imports say.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import html
 import importlib
 import importlib.util
 import os
@@ -24,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from common.config import RunConfig
+from tests.test_layers import LAYERS, imported_modules, layer_of
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "cluster" / "README.md", *sorted((REPO / "docs").glob("*.md")),
@@ -36,6 +41,12 @@ LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^
 HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
 MAKE = re.compile(r"(?<![\w$(./-])make[ \t]+((?:-\S+[ \t]+|[A-Z_]+=(?:\"[^\"]*\"|'[^']*'|\S*)[ \t]+)*)"
                   r"([A-Za-z<][\w<>%.-]*)")
+MERMAID = re.compile(r"^```mermaid[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?")
+BUILT_MERMAID = re.compile(r'<pre class="mermaid"><code>(.*?)</code></pre>', re.DOTALL)
+BUILT_IMAGE = re.compile(r'<img\b[^>]*\bsrc="([^"]+)"')
+# The pictures issue 44 asked for: page -> what its picture must show.
+PICTURES = {"run-contract.md": "mermaid: the run's life", "layout.md": "mermaid: the layers of common/"}
 SCHEMA_GROUPS = ("trainer", "checkpoint", "logging", "profile", "data", "model", "optim", "ema", "mixup", "fsdp",
                  "stages")
 KEY = re.compile(r"(?<![\w./${-])((?:" + "|".join(SCHEMA_GROUPS) + r")(?:\.[A-Za-z_]\w*)+)(?![\w/-])")
@@ -235,15 +246,136 @@ def test_the_checks_catch_a_broken_link_anchor_target_and_key(tmp_path: Path):
         "docs/page.md: `trainer.bach_size` is not a key of any recipe's config"]
 
 
-def test_mkdocs_builds_the_site_strictly(tmp_path: Path):
-    """What `make docs` runs, into a temporary folder: a broken link, a missing anchor or a page
-    left out of the nav fails it."""
+def built_page(site: Path, page: str) -> Path:
+    """Where MkDocs writes ``docs/<page>`` (``use_directory_urls``: ``x.md`` -> ``x/index.html``)."""
+    stem = Path(page).with_suffix("")
+    return site / "index.html" if stem.name == "index" else site / stem / "index.html"
+
+
+def missing_pictures(docs: Path, site: Path) -> list[str]:
+    """Each ```mermaid fence of a page of ``docs`` that is not, with its content, a ``<pre class="mermaid">``
+    of the built page, and each image of a page that the built page does not show from a file in ``site``."""
+    problems = []
+    for page in sorted(docs.glob("*.md")):
+        text, built = page.read_text(), built_page(site, page.name)
+        page_html = built.read_text() if built.is_file() else ""
+        drawn = [html.unescape(block).strip() for block in BUILT_MERMAID.findall(page_html)]
+        for diagram in MERMAID.findall(text):
+            if diagram.strip() not in drawn:
+                problems.append(f"{page.name}: a mermaid diagram ({diagram.splitlines()[0]}) is not a "
+                                f'<pre class="mermaid"> of {built.relative_to(site)}')
+        shown = {(built.parent / html.unescape(src)).resolve() for src in BUILT_IMAGE.findall(page_html)}
+        for image in IMAGE.findall(without_code(text)):
+            copied = (site / (page.parent / image).resolve().relative_to(docs.resolve())).resolve()
+            if not copied.is_file() or copied not in shown:
+                problems.append(f"{page.name}: image {image} is not shown from a file of the site")
+    return problems
+
+
+def mermaid_of(page: str, first_line: str) -> str:
+    """The ```mermaid diagram of ``docs/<page>`` that starts with ``first_line``."""
+    found = [d for d in MERMAID.findall((REPO / "docs" / page).read_text()) if d.startswith(first_line)]
+    assert len(found) == 1, f"docs/{page}: {len(found)} mermaid diagrams start with {first_line!r}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site `make docs` builds (``mkdocs build --strict``), built once into a temporary folder."""
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
         pytest.skip("mkdocs-material is not installed (pip install -e '.[dev]' installs it; make test does)")
+    folder = tmp_path_factory.mktemp("site")
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-                             str(REPO / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                             str(REPO / "mkdocs.yml"), "--site-dir", str(folder)],
                             cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert result.returncode == 0, result.stderr + result.stdout
-    assert (tmp_path / "site" / "index.html").is_file()
-    assert (tmp_path / "site" / "run-contract" / "index.html").is_file()
+    return folder
+
+
+def test_mkdocs_builds_the_site_strictly(site: Path):
+    """What `make docs` runs: a broken link, a missing anchor or a page left out of the nav fails it."""
+    assert (site / "index.html").is_file()
+    assert (site / "run-contract" / "index.html").is_file()
+
+
+def test_every_picture_is_in_the_built_site(site: Path):
+    """Each picture of docs/ renders: the pages issue 44 asked pictures of have theirs, each mermaid
+    diagram is one Material draws, each image is copied and shown."""
+    for page, picture in PICTURES.items():
+        text = (REPO / "docs" / page).read_text()
+        if picture.startswith("mermaid"):
+            assert MERMAID.search(text), f"docs/{page} has no ```mermaid diagram ({picture})"
+        else:
+            assert picture in IMAGE.findall(without_code(text)), f"docs/{page} does not show {picture}"
+    assert missing_pictures(REPO / "docs", site) == []
+
+
+def test_the_picture_check_catches_an_unconfigured_fence_and_a_wrong_image_path(tmp_path: Path):
+    """A diagram built as plain code (no custom fence for mermaid) or changed, and an image whose
+    file is not in the site or not where the page points: one complaint each."""
+    docs, site = tmp_path / "docs", tmp_path / "site"
+    (docs / "images").mkdir(parents=True)
+    (site / "a").mkdir(parents=True)
+    (site / "b").mkdir(parents=True)
+    (site / "images").mkdir(parents=True)
+    (site / "images" / "there.png").write_bytes(b"png")
+    (docs / "a.md").write_text("# A\n\n```mermaid\nflowchart TD\n    x --> y\n```\n\n![ok](images/there.png)\n"
+                               "![gone](images/gone.png)\n")
+    (docs / "b.md").write_text("# B\n\n```mermaid\nflowchart TD\n    p --> q\n```\n\n![moved](images/there.png)\n")
+    (site / "a" / "index.html").write_text(
+        '<pre class="mermaid"><code>flowchart TD\n    x --&gt; y\n</code></pre>'
+        '<img alt="ok" src="../images/there.png"><img alt="gone" src="../images/gone.png">')
+    (site / "b" / "index.html").write_text(
+        '<div class="language-mermaid highlight"><pre><code>flowchart TD\n    p --&gt; q</code></pre></div>'
+        '<img alt="moved" src="../img/there.png">')
+    assert missing_pictures(docs, site) == [
+        "a.md: image images/gone.png is not shown from a file of the site",
+        'b.md: a mermaid diagram (flowchart TD) is not a <pre class="mermaid"> of b/index.html',
+        "b.md: image images/there.png is not shown from a file of the site",
+    ]
+    (site / "a" / "index.html").write_text('<pre class="mermaid"><code>flowchart TD\n    x --&gt; z</code></pre>'
+                                           '<img src="../images/there.png">')
+    (docs / "a.md").write_text("```mermaid\nflowchart TD\n    x --> y\n```\n")
+    assert missing_pictures(docs, site)[0].startswith("a.md: a mermaid diagram (flowchart TD) is not")
+
+
+def exit_code_table() -> set[str]:
+    """The codes of the run contract's exit-code table (``1 (or a signal)`` as ``1``)."""
+    text = (REPO / "docs" / "run-contract.md").read_text()
+    table = text[text.index("## Exit codes"):].split("\n\n")[1]
+    return {row.split("|")[1].split()[0] for row in table.splitlines()[2:]}
+
+
+def test_the_runs_life_names_every_exit_code_of_the_table_and_no_other():
+    diagram = mermaid_of("run-contract.md", "flowchart TD\n    launch")
+    drawn = set(re.findall(r"\(\[\"exit (\d+)\b", diagram))
+    assert drawn == exit_code_table() == {"0", "1", "2", "3", "4", "75"}
+    for said in ("SIGTERM", "SIGUSR1", "trainer.nonfinite", "rollback", "checkpoint.every_seconds",
+                 "checkpoint.every_steps", "damaged", "summary.json"):
+        assert said in diagram, said
+
+
+def test_the_layers_picture_is_the_layers_and_the_recipes_imports():
+    """Layer k's box names the modules of LAYERS[k] (tests/test_layers.py), each layer points to the one
+    below; a recipe file's solid arrow to a layer holds for every recipe, a dashed one for some."""
+    diagram = mermaid_of("layout.md", "flowchart TD\n    subgraph recipe")
+    boxes = dict(re.findall(r'^\s*L(\d)\["\d ([^"]*)"\]', diagram, re.MULTILINE))
+    assert sorted(boxes) == [str(k) for k in range(len(LAYERS))]
+    for k, modules in enumerate(LAYERS):
+        for module in modules:
+            assert re.search(rf"\b{module.split('.', 1)[1]}\b", boxes[str(k)]), f"layer {k}: {module}"
+    chain = " --> ".join(f"L{k}" for k in reversed(range(len(LAYERS))))
+    assert chain in diagram
+    files = dict(re.findall(r'^\s*(\w+)\["(\w+\.py):', diagram, re.MULTILINE))
+    assert sorted(files.values()) == ["config.py", "data.py", "model.py", "spec.py", "testing.py", "train.py"]
+    recipes = [REPO / "recipes" / recipe for recipe in RECIPES]
+    arrows = re.findall(r"^\s*(\w+) (-->|-\.->) L(\d)$", diagram, re.MULTILINE)
+    assert len(arrows) >= 8, arrows
+    for node, arrow, layer in arrows:
+        imports = [{layer_of(name) for name in imported_modules(folder / files[node])
+                    if name.startswith("common.")} for folder in recipes]
+        holds = [int(layer) in found for found in imports]
+        assert all(holds) if arrow == "-->" else any(holds), f"{files[node]} {arrow} layer {layer}: {holds}"
+    assert not any(name.startswith("common") for folder in recipes
+                   for name in imported_modules(folder / "testing.py")), "testing.py imports common/"
