@@ -46,7 +46,8 @@ IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?")
 BUILT_MERMAID = re.compile(r'<pre class="mermaid"><code>(.*?)</code></pre>', re.DOTALL)
 BUILT_IMAGE = re.compile(r'<img\b[^>]*\bsrc="([^"]+)"')
 # The pictures issue 44 asked for: page -> what its picture must show.
-PICTURES = {"run-contract.md": "mermaid: the run's life", "layout.md": "mermaid: the layers of common/"}
+PICTURES = {"run-contract.md": "mermaid: the run's life", "layout.md": "mermaid: the layers of common/",
+            "after-training.md": "images/compare.png"}
 SCHEMA_GROUPS = ("trainer", "checkpoint", "logging", "profile", "data", "model", "optim", "ema", "mixup", "fsdp",
                  "stages")
 KEY = re.compile(r"(?<![\w./${-])((?:" + "|".join(SCHEMA_GROUPS) + r")(?:\.[A-Za-z_]\w*)+)(?![\w/-])")
