@@ -17,7 +17,7 @@ from tools.mutations import MUTATIONS
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[mutation.id for mutation in MUTATIONS])
 def test_each_mutation_applies_once_and_names_existing_tests(mutation, tmp_path: Path) -> None:
     copy = tmp_path / mutation.file
-    copy.parent.mkdir(parents=True)
+    copy.parent.mkdir(parents=True, exist_ok=True)  # a file at the top is written into tmp_path itself
     copy.write_text((REPO / mutation.file).read_text())
     apply(mutation, tmp_path)  # raises unless the text occurs exactly once and the result compiles
     assert copy.read_text() != (REPO / mutation.file).read_text()
