@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from common.data.sampler import ResumableDistributedSampler
+from common.pytorch.nested import tensors_in
 from common.pytorch.rng import seeded_global_rng
 
 
@@ -160,21 +161,10 @@ def copied_ahead(batches: Iterator[Any], to_device: Callable[[Any], Any], device
 def _handed_over(batch: Any, ready: torch.cuda.Event, device: torch.device) -> Any:
     training = torch.cuda.current_stream(device)
     training.wait_event(ready)
-    for tensor in _tensors(batch):
+    for tensor in tensors_in(batch):
         if tensor.device.type == "cuda":
             tensor.record_stream(training)
     return batch
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, dict):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _tensors(value)
 
 
 def halved(size: int) -> int:

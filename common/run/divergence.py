@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import socket
-from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,6 +24,7 @@ from common.config import TrainerConfig
 from common.errors import EXIT_DIVERGED, Diverged
 from common.pytorch import distributed
 from common.pytorch.distributed import DistInfo
+from common.pytorch.nested import tensors_in
 from common.records import heartbeat
 from common.records.loggers import RunLogger
 from common.records.summary import write_summary
@@ -52,7 +52,7 @@ class NonfiniteWatch:
     def observe(self, step: int, *values: torch.Tensor | None) -> None:
         """Note ``values`` (a loss sum, a gradient norm; None: not computed) of optimizer step ``step``
         (on the CPU, where reading costs nothing, they are read)."""
-        present = [value.detach() for value in _tensors(values)]  # a DTensor (FSDP2's norm): its replicated value
+        present = [value.detach() for value in tensors_in(values)]  # a DTensor (FSDP2's norm): its replicated value
         if not present:
             return
         if self.device.type != "cuda":
@@ -103,23 +103,12 @@ def _finite_on_host(value: torch.Tensor) -> bool:
     return math.isfinite(value.item()) if value.numel() == 1 else bool(torch.isfinite(value).all())
 
 
-def _tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's shard
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
-
-
 def all_finite(*states: Any) -> bool:
     """Whether every floating-point tensor in ``states`` (state dicts, nested) is finite: one host
     sync, for before a save. A weight update can make the weights non-finite before any loss does."""
     flags: dict[torch.device, list[torch.Tensor]] = {}
     for state in states:
-        for tensor in _tensors(state):
+        for tensor in tensors_in(state):
             if tensor.is_floating_point() and tensor.numel():
                 flags.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
     return all(bool(torch.stack(device_flags).all()) for device_flags in flags.values())
