@@ -752,8 +752,10 @@ def measured(report: Report, figures: Callable[[], list[Result]]) -> str:
     return ", ".join(f"{format_value(r.value)} {r.unit}" for r in results if r.unit != "GiB peak")
 
 
-def run_everything(report: Report, device_name: str, work: Path, compile_too: bool, figures_too: bool) -> None:
-    """The checks, then the figures (alone on the machine, after the recipe runs)."""
+def run_everything(report: Report, device_name: str, work: Path, compile_too: bool, figures_too: bool,
+                   recipes: tuple[str, ...] = RECIPES) -> None:
+    """The checks of ``recipes``' runs and the others, then the figures (alone on the machine, after the
+    recipe runs)."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     overrides: dict[str, list[str]] = {}
@@ -765,7 +767,7 @@ def run_everything(report: Report, device_name: str, work: Path, compile_too: bo
     if report.timed("tiny datasets written in their real formats", write_data):
         with ThreadPoolExecutor(max_workers=3 if device_name == "cuda" else 2) as pool:
             for future in [pool.submit(check_recipe, report, recipe, overrides[recipe], device_name, work / recipe,
-                                       compile_too and recipe in COMPILED) for recipe in RECIPES]:
+                                       compile_too and recipe in COMPILED) for recipe in recipes]:
                 future.result()
     report.timed("tv_segmentation: synchronised BatchNorm across 2 processes",
                  lambda: check_sync_batchnorm(device_name, work / "sync_batchnorm"))
@@ -787,6 +789,15 @@ def run_everything(report: Report, device_name: str, work: Path, compile_too: bo
         report.timed(name, lambda figures=figures: measured(report, figures))
 
 
+def recipe_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in RECIPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown recipe {', '.join(unknown) or '(none)'}: "
+                                         f"choose from {', '.join(RECIPES)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -799,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{QUICK_BUDGET_S} with --quick)")
     parser.add_argument("--work-dir", type=Path, default=WORK_DIR,
                         help="data, run directories and logs of the recipe runs (emptied first; default: %(default)s)")
+    parser.add_argument("--recipes", type=recipe_list, default=RECIPES, metavar="NAME,NAME",
+                        help="the recipes whose runs are checked (default: all six)")
     parser.add_argument("--skip-compile", action="store_true",
                         help="leave out the compiled runs (on a CPU they take minutes of C++ compilation)")
     parser.add_argument("--trace-syncs", type=Path, help=argparse.SUPPRESS)  # internal: one recipe run
@@ -821,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     report = Report()
     run_everything(report, args.device, args.work_dir, compile_too=not (args.skip_compile or args.quick),
-                   figures_too=not args.quick)
+                   figures_too=not args.quick, recipes=args.recipes)
     seconds = time.perf_counter() - started
     budget = args.budget_seconds or ((QUICK_BUDGET_S if args.quick else BUDGET_S) if args.device == "cuda" else None)
     if budget is not None:

@@ -18,23 +18,29 @@ from benchmarks.gpu_check import COMPILED, RECIPES, TORCH_DIR, CheckFailed, judg
 from benchmarks.run import HAND_END, HAND_START
 from tests.conftest import REPO, assert_ok, recipe_env
 
+CHECKED = ("fashion_mnist", "dinov2_fsdp")  # the recipes whose runs the whole sequence checks on a CPU
+
 
 @pytest.mark.slow
 def test_the_whole_sequence_runs_on_the_cpu_and_is_recorded(tmp_path: Path) -> None:
-    """Compiled runs are left out: on 2 CPU cores each takes minutes of C++ compilation."""
+    """Compiled runs are left out: on 2 CPU cores each takes minutes of C++ compilation. Two recipes'
+    runs are checked, the plainest and the FSDP one (the only one whose check reads more): each
+    recipe's own SIGTERM-and-resume is tested in tests/test_<recipe>.py, and that the default checks
+    all six in the stubbed test below."""
     results = tmp_path / "RESULTS.md"
     shutil.copy(REPO / "benchmarks" / "RESULTS.md", results)
     hand_written = results.read_text().split(HAND_START, 1)[1].split(HAND_END, 1)[0]
     report_file = tmp_path / "gpu_check.json"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--skip-compile", "--results", str(results),
-         "--json", str(report_file)],
+         "--json", str(report_file), "--recipes", ",".join(CHECKED)],
         cwd=REPO, env=recipe_env(), capture_output=True, text=True, timeout=1800,
     )
     assert_ok(result)
     report = json.loads(report_file.read_text())
     checks = {check["name"]: check for check in report["checks"]}
-    for recipe in RECIPES:
+    assert sorted(check.split(":")[0] for check in checks if check.endswith(": uninterrupted run")) == sorted(CHECKED)
+    for recipe in CHECKED:
         assert checks[f"{recipe}: uninterrupted run"]["passed"]
         resumed = checks[f"{recipe}: SIGTERM, exit 75, resume, same digest"]
         assert resumed["passed"] and "the resumed run's digest is the same" in resumed["detail"]
@@ -187,6 +193,18 @@ def test_quick_runs_every_check_and_neither_figures_nor_compilation(tmp_path: Pa
         else:
             assert figures == ["resnet50_figures", "vit_figures", "checkpoint_stall_figures", "overhead_figures"]
             assert {recipe for recipe, compiled in recipe_runs.items() if compiled} == set(COMPILED)
+    recipe_runs.clear()
+    assert gpu_check.main(["--device", "cpu", "--work-dir", str(tmp_path / "work"), "--quick",
+                           "--recipes", "dinov2_fsdp,fashion_mnist"]) == 0
+    assert sorted(recipe_runs) == ["dinov2_fsdp", "fashion_mnist"]
+
+
+def test_the_checks_name_every_recipe_and_refuse_an_unknown_one(capsys: pytest.CaptureFixture) -> None:
+    assert sorted(RECIPES) == sorted(path.parent.name for path in (REPO / "recipes").glob("*/train.py"))
+    with pytest.raises(SystemExit) as stopped:
+        gpu_check.main(["--device", "cpu", "--recipes", "fashion_mnist,mnist"])
+    assert stopped.value.code == 2
+    assert "unknown recipe mnist: choose from fashion_mnist, cifar100_resnet50" in capsys.readouterr().err
 
 
 def test_a_recorded_section_starts_after_a_blank_line(tmp_path: Path) -> None:
