@@ -519,9 +519,9 @@ MUTATIONS: list[Mutation] = [
         "the best checkpoint is deleted once keep_last newer ones exist",
     ),
     Mutation(
-        "evaluation-every-epoch", "common/run/training_run.py",
-        "metrics = self._evaluate(evaluate) if self.progress.epoch % self.trainer.eval_every_epochs == 0 else None",
-        "metrics = self._evaluate(evaluate)",
+        "evaluation-every-epoch", "common/run/cadence.py",
+        "return self.mid_epoch(step) if self.by_steps else epoch % self.every_epochs == 0",
+        "return self.mid_epoch(step) if self.by_steps else True",
         (f"{RULES}test_evaluations_come_every_eval_every_epochs_and_at_the_end",),
         "trainer.eval_every_epochs is ignored: a long evaluation runs after every epoch",
     ),

@@ -8,7 +8,7 @@ A recipe hands :class:`TrainingRun` its config and what a checkpoint holds, and 
         for group in run.steps(micro_batches):       # one optimizer step per group of micro-batches
             ...forward, backward, optimizer step...
             run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
-        run.end_epoch(evaluate)                      # evaluates (when due) and saves
+        run.end_epoch(evaluate)                      # evaluates (when due) and saves; also mid-epoch
     run.finish(evaluate)                             # final evaluation, checkpoint, summary.json
 
 - Its parts: :mod:`~common.run.cadence` (when to save and stop), :mod:`~common.run.divergence`
@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -41,7 +41,7 @@ from common.records.provenance import bit_identity_differences, segment_record
 from common.records.summary import output_lines, state_digest, write_summary
 from common.records.telemetry import FlopCount, StepTelemetry, clip_grad_norm
 from common.run import state
-from common.run.cadence import NONE, CheckpointCadence, StopSignals
+from common.run.cadence import NONE, CheckpointCadence, EvaluationCadence, StopSignals
 from common.run.compile_cache import CompileCache
 from common.run.divergence import Divergence
 from common.run.early_stopping import EarlyStopping
@@ -82,6 +82,7 @@ class TrainingRun:
             best_mode=checkpoint.best_mode,
             async_save=checkpoint.async_save,
         )
+        self.evaluations = EvaluationCadence(cfg.trainer)
         self.cadence = CheckpointCadence(checkpoint, StopSignals())
         self.cfg, self.trainer, self.dist_info, self.plan = cfg, cfg.trainer, dist_info, plan
         self.recipe, self.run_dir = cfg.recipe, Path(cfg.run_dir)
@@ -115,6 +116,10 @@ class TrainingRun:
         # sampler must be for it to go on (the next epoch's start once an epoch is done; None: start anew).
         self._stream: tuple[Any, Iterator[Any]] | None = None
         self._stream_at: tuple[int, int] | None = None
+        # steps() ended mid-epoch for a trainer.eval_every_steps evaluation, which end_epoch() runs and saves;
+        # and a stop signal came at that step: end_epoch() stops once the evaluation's checkpoint is saved.
+        self._mid_epoch_evaluation = False
+        self._stop_after_evaluation = False
         self._clock = time.monotonic()  # wall time of this segment, added to progress.train_seconds at each save
         self.optimizer = None
         self.track_optimizer(optimizer, scheduler)
@@ -259,7 +264,8 @@ class TrainingRun:
           batch ahead, so on a GPU the copy overlaps the step before (:func:`~common.data.loaders.copied_ahead`).
         - The loop must call :meth:`step_done` once per step; after it this saves when the cadence
           says so, and after SIGTERM/SIGUSR1 saves and raises :class:`~common.errors.Preempted`.
-        - Ends at the epoch's end, at the run's last step, or after a rollback.
+        - Ends at the epoch's end, at the run's last step, after a rollback, or mid-epoch where
+          ``trainer.eval_every_steps`` says (the loop's :meth:`end_epoch` evaluates; the next call goes on).
         - Also: ``train/data_wait_frac`` timing, FLOP counting (``train/mfu``), ``profile.*`` traces.
         """
         plan, progress, halving = self.plan, self.progress, self.out_of_memory
@@ -290,20 +296,24 @@ class TrainingRun:
                     return  # the finish saves the last step
                 decision = self.cadence.after_step(progress.step, self.divergence.poll, self.micro_batch)
                 halving.agree(decision.micro_batches)
-                if decision.nonfinite_step != NONE or decision.save:
+                evaluating = self.evaluations.mid_epoch(progress.step) and not plan.epoch_done()
+                if decision.nonfinite_step != NONE or decision.save or evaluating:
                     if not self.divergence.check():
                         return  # rolled back: the caller's loop goes on from where the sampler now is
+                if evaluating:  # saved (and stopped) after the evaluation, so a resume never skips it
+                    self._mid_epoch_evaluation, self._stop_after_evaluation = True, decision.stop
+                    return
                 if decision.save:
                     self.save()
                 if decision.stop:
-                    self.checkpoints.wait()
-                    self.profiler.close()
-                    self.logger.close()
-                    raise self.cadence.preempted(progress.step)
+                    self._stop()
         finally:
             self._bar.close()
             self._bar = None
-            self._stream_at = (self.sampler.epoch + 1, 0) if plan.epoch_done() else None
+            if plan.epoch_done():
+                self._stream_at = (self.sampler.epoch + 1, 0)
+            else:  # after a mid-epoch evaluation the loader's iterator goes on; otherwise a new one starts
+                self._stream_at = (self.sampler.epoch, self.sampler.consumed) if self._mid_epoch_evaluation else None
             if self._flop_count is not None:  # a step that failed: its counter must not stay on in this process
                 self._flop_count.stop()
                 self._flop_count = None
@@ -404,25 +414,41 @@ class TrainingRun:
             self.logger.console(message)
 
     def end_epoch(self, evaluate: Callable[[], dict[str, float]]) -> None:
-        """After :meth:`steps`: close a complete epoch and save its checkpoint.
+        """After :meth:`steps`: close a complete epoch and save its checkpoint, or run a mid-epoch evaluation.
 
         - Checks first that training is finite (a rollback leaves the epoch unfinished).
-        - Evaluates every ``trainer.eval_every_epochs`` epochs; early stopping or a search's
-          pruner may end training there (the finish then evaluates and saves).
-        - Saves nothing when training is done: the finish does.
+        - Evaluates as :class:`~common.run.cadence.EvaluationCadence` says: every ``trainer.eval_every_epochs``
+          epochs, or after every ``trainer.eval_every_steps`` steps (where :meth:`steps` ended mid-epoch,
+          or an epoch's last step); each evaluation is followed by a checkpoint with its metrics.
+        - Early stopping or a search's pruner may end training at an evaluation (the finish then
+          evaluates and saves). Saves nothing when training is done: the finish does.
+        - Mid-epoch, a stop signal that came at the evaluated step raises :class:`~common.errors.Preempted`
+          once the checkpoint is saved.
         """
-        if not self.divergence.check() or not self.plan.epoch_done():
+        mid_epoch, self._mid_epoch_evaluation = self._mid_epoch_evaluation, False
+        stop, self._stop_after_evaluation = self._stop_after_evaluation, False
+        if not self.divergence.check():
             return
-        self.progress.epoch += 1
-        self.sampler.set_epoch(self.progress.epoch)
-        if self.training_done():
+        epoch_done = self.plan.epoch_done()
+        if epoch_done:
+            self.progress.epoch += 1
+            self.sampler.set_epoch(self.progress.epoch)
+            if self.training_done():
+                return
+            due = self.evaluations.at_epoch_end(self.progress.epoch, self.progress.step)
+        elif mid_epoch:
+            due = True
+        else:
             return
-        metrics = self._evaluate(evaluate) if self.progress.epoch % self.trainer.eval_every_epochs == 0 else None
+        metrics = self._evaluate(evaluate) if due else None
         if metrics is not None:
             self._count_improvement(metrics, may_stop=True)
             self._report_to_search(metrics)
-        if not self.training_done():
-            self.save(metrics, milestone=self.milestones.get(self.progress.epoch))
+        if self.training_done():
+            return
+        self.save(metrics, milestone=self.milestones.get(self.progress.epoch) if epoch_done else None)
+        if stop:
+            self._stop()
 
     def _evaluate(self, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
         """``evaluate()``, marked in the heartbeat and left out of the step time."""
@@ -439,12 +465,21 @@ class TrainingRun:
         training here (collective: the ranks agree on the study's answer)."""
         if self.search_trial is None:
             return
-        if self.search_trial.report(metrics, self.progress.epoch, self.dist_info.is_main):
+        at = self.progress.step if self.evaluations.by_steps else self.progress.epoch
+        if self.search_trial.report(metrics, at, self.dist_info.is_main):
             metric = self.search_trial.metric
             self.progress.pruned = {"step": self.progress.step, "epoch": self.progress.epoch, "metric": metric,
                                     "value": metrics[metric]}
             self.console(f"pruned by the search at step {self.progress.step} (epoch {self.progress.epoch}): "
                          f"{metric} {metrics[metric]:.4g}; stopping here")
+
+    def _stop(self) -> NoReturn:
+        """After the checkpoint a stop decision asked for: close the logs and raise
+        :class:`~common.errors.Preempted`."""
+        self.checkpoints.wait()
+        self.profiler.close()
+        self.logger.close()
+        raise self.cadence.preempted(self.progress.step)
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
