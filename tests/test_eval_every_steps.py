@@ -82,9 +82,10 @@ def test_a_run_killed_and_stopped_between_evaluations_evaluates_at_the_same_step
     probe("fashion_mnist", interrupted, steps=13)  # killed between the evaluations of steps 8 and 16
     assert evaluated_checkpoints(interrupted) == [8]
     with monkeypatch.context() as signalled:
-        StopSignalAt(signalled, 24)  # during the step an evaluation follows: evaluated, saved, then stopped
+        StopSignalAt(signalled, 24)  # during the step an evaluation follows: saved and stopped at once
         with pytest.raises(Preempted, match="checkpoint saved at step 24"):
             probe("fashion_mnist", interrupted, steps=None)
+    assert evaluated_checkpoints(interrupted) == [8, 16], "step 24's checkpoint owes its evaluation to the resume"
     finished = probe("fashion_mnist", interrupted, steps=None)
     assert finished.summary["resumes"] == 2
     assert evaluations(finished) == evaluations(uninterrupted)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -116,10 +116,8 @@ class TrainingRun:
         # sampler must be for it to go on (the next epoch's start once an epoch is done; None: start anew).
         self._stream: tuple[Any, Iterator[Any]] | None = None
         self._stream_at: tuple[int, int] | None = None
-        # steps() ended mid-epoch for a trainer.eval_every_steps evaluation, which end_epoch() runs and saves;
-        # and a stop signal came at that step: end_epoch() stops once the evaluation's checkpoint is saved.
+        # steps() ended mid-epoch for a trainer.eval_every_steps evaluation, which end_epoch() runs and saves
         self._mid_epoch_evaluation = False
-        self._stop_after_evaluation = False
         self._clock = time.monotonic()  # wall time of this segment, added to progress.train_seconds at each save
         self.optimizer = None
         self.track_optimizer(optimizer, scheduler)
@@ -266,9 +264,13 @@ class TrainingRun:
           says so, and after SIGTERM/SIGUSR1 saves and raises :class:`~common.errors.Preempted`.
         - Ends at the epoch's end, at the run's last step, after a rollback, or mid-epoch where
           ``trainer.eval_every_steps`` says (the loop's :meth:`end_epoch` evaluates; the next call goes on).
+          A stop signal at such a step saves and stops at once; the resumed run evaluates there first.
         - Also: ``train/data_wait_frac`` timing, FLOP counting (``train/mfu``), ``profile.*`` traces.
         """
         plan, progress, halving = self.plan, self.progress, self.out_of_memory
+        if progress.evaluation_owed:  # stopped at an evaluation's step before evaluating: end_epoch() evaluates
+            progress.evaluation_owed, self._mid_epoch_evaluation = False, True
+            return
         if self._save_before_next_step:
             self._save_before_next_step = False
             self.save()
@@ -300,13 +302,18 @@ class TrainingRun:
                 if decision.nonfinite_step != NONE or decision.save or evaluating:
                     if not self.divergence.check():
                         return  # rolled back: the caller's loop goes on from where the sampler now is
-                if evaluating:  # saved (and stopped) after the evaluation, so a resume never skips it
-                    self._mid_epoch_evaluation, self._stop_after_evaluation = True, decision.stop
+                if evaluating and decision.stop:  # a stop is quick: the checkpoint owes the evaluation to the resume
+                    progress.evaluation_owed = True
+                elif evaluating:  # the loop's end_epoch() evaluates and saves
+                    self._mid_epoch_evaluation = True
                     return
                 if decision.save:
                     self.save()
                 if decision.stop:
-                    self._stop()
+                    self.checkpoints.wait()
+                    self.profiler.close()
+                    self.logger.close()
+                    raise self.cadence.preempted(progress.step)
         finally:
             self._bar.close()
             self._bar = None
@@ -422,11 +429,8 @@ class TrainingRun:
           or an epoch's last step); each evaluation is followed by a checkpoint with its metrics.
         - Early stopping or a search's pruner may end training at an evaluation (the finish then
           evaluates and saves). Saves nothing when training is done: the finish does.
-        - Mid-epoch, a stop signal that came at the evaluated step raises :class:`~common.errors.Preempted`
-          once the checkpoint is saved.
         """
         mid_epoch, self._mid_epoch_evaluation = self._mid_epoch_evaluation, False
-        stop, self._stop_after_evaluation = self._stop_after_evaluation, False
         if not self.divergence.check():
             return
         epoch_done = self.plan.epoch_done()
@@ -447,8 +451,6 @@ class TrainingRun:
         if self.training_done():
             return
         self.save(metrics, milestone=self.milestones.get(self.progress.epoch) if epoch_done else None)
-        if stop:
-            self._stop()
 
     def _evaluate(self, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
         """``evaluate()``, marked in the heartbeat and left out of the step time."""
@@ -472,14 +474,6 @@ class TrainingRun:
                                     "value": metrics[metric]}
             self.console(f"pruned by the search at step {self.progress.step} (epoch {self.progress.epoch}): "
                          f"{metric} {metrics[metric]:.4g}; stopping here")
-
-    def _stop(self) -> NoReturn:
-        """After the checkpoint a stop decision asked for: close the logs and raise
-        :class:`~common.errors.Preempted`."""
-        self.checkpoints.wait()
-        self.profiler.close()
-        self.logger.close()
-        raise self.cadence.preempted(self.progress.step)
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
