@@ -19,6 +19,7 @@ from common.errors import Preempted
 from common.records.loggers import METRICS_FILE, read_metrics_file
 from common.run.cadence import CheckpointCadence
 from common.run.search_trial import SearchTrial
+from common.run.steps import EpochBatches
 from tests.recipe_probe import Configs, Probe, probe, tiny_settings
 
 FASHION_STEPS_PER_EPOCH = 256 // 16  # the tiny data's 256 images in micro-batches of 16
@@ -94,15 +95,18 @@ def test_a_run_killed_and_stopped_between_evaluations_evaluates_at_the_same_step
 
 
 def test_timm_imagenet_evaluates_every_n_steps_across_an_epochs_end_and_trains_each_sample_once_an_epoch(
-        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """3 steps an epoch (24 images, 8 a step): evaluations after steps 2 and 4 (each mid-epoch) and at the finish
     (6), none at the end of epoch 1 (step 3); the loader's iterator goes on after each evaluation."""
+    iterators, batches = [], EpochBatches.__iter__
+    monkeypatch.setattr(EpochBatches, "__iter__", lambda self: iterators.append(self) or batches(self))
     configs = Configs("timm_imagenet", tmp_path, tiny_settings("timm_imagenet", tmp_path_factory))
     seen = probe("timm_imagenet", configs("trainer.epochs=2", "trainer.eval_every_steps=2",
                                           "checkpoint.keep_last=10"), steps=None)
     assert seen.error is None, seen.error
     assert [step for step, _ in evaluations(seen)] == [2, 4, 6]
     assert evaluated_checkpoints(seen.cfg) == [2, 4, 6]
+    assert len(iterators) == 1, "one loader iterator for the run: none started again after an evaluation"
     images = 24
     trained = [key for batch in seen.samples() for key in batch]
     assert sorted(trained[:images]) == sorted(trained[images:]) == list(range(images)), \
