@@ -110,6 +110,8 @@ class TrainerConfig:
     grad_clip_norm: float = 0.0  # 0 = no clipping
     log_every_steps: int = 50  # train metrics; without a terminal, also a progress line
     eval_every_epochs: int = 1
+    # Evaluate (and checkpoint) every N optimizer steps instead of every eval_every_epochs epochs; 0: by epochs.
+    eval_every_steps: int = 0
     # Stop after this many evaluations in a row without a better checkpoint.best_metric; 0 = never.
     early_stopping_patience: int = 0
     compile: bool = False

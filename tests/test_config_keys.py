@@ -277,6 +277,9 @@ CHECKS: dict[str, Check] = {
     "trainer.grad_clip_norm": check("first gradients", "trainer.grad_clip_norm=0.001"),
     "trainer.log_every_steps": check("logged at", "trainer.log_every_steps=1"),
     "trainer.eval_every_epochs": check("run.trainer.eval_every_epochs", "trainer.eval_every_epochs=2"),
+    # a probe of its own: changed with the other keys, eval_every_epochs too, the run would refuse both cadences
+    "trainer.eval_every_steps": check("run.evaluations.every_steps", "trainer.eval_every_steps=2",
+                                      context=("trainer.eval_every_epochs=1",)),
     "trainer.early_stopping_patience": check("run.early_stopping.patience", "trainer.early_stopping_patience=2"),
     "trainer.compile": check("compiled", "trainer.compile=true"),
     "trainer.channels_last": check("first batch", "trainer.channels_last=true", context=CHANNELS_FIRST),

@@ -35,6 +35,11 @@ DRAWS = "tests/test_augmentation_draws.py::"
 RULES = "tests/test_run_rules.py::"
 DIVERGENCE = "tests/test_divergence.py::"
 OOM = "tests/test_out_of_memory.py::"
+EVAL_STEPS = "tests/test_eval_every_steps.py::"
+EVAL_RESUMED = (f"{EVAL_STEPS}test_a_run_killed_and_stopped_between_evaluations_evaluates_at_the_same_steps_and_ends"
+                f"_the_same")
+EVAL_TIMM = (f"{EVAL_STEPS}test_timm_imagenet_evaluates_every_n_steps_across_an_epochs_end_and_trains_each_sample_once"
+             f"_an_epoch")
 REDONE = f"{OOM}test_a_step_that_runs_out_of_memory_is_redone_with_half_the_micro_batch_bit_for_bit"
 TWO_RANKS_AGREE = f"{OOM}test_on_two_ranks_every_rank_agrees_on_the_halved_micro_batch"
 CHECKPOINTED = ("tests/test_activation_checkpointing.py::"
@@ -519,9 +524,9 @@ MUTATIONS: list[Mutation] = [
         "the best checkpoint is deleted once keep_last newer ones exist",
     ),
     Mutation(
-        "evaluation-every-epoch", "common/run/training_run.py",
-        "metrics = self._evaluate(evaluate) if self.progress.epoch % self.trainer.eval_every_epochs == 0 else None",
-        "metrics = self._evaluate(evaluate)",
+        "evaluation-every-epoch", "common/run/cadence.py",
+        "return self.mid_epoch(step) if self.by_steps else epoch % self.every_epochs == 0",
+        "return self.mid_epoch(step) if self.by_steps else True",
         (f"{RULES}test_evaluations_come_every_eval_every_epochs_and_at_the_end",),
         "trainer.eval_every_epochs is ignored: a long evaluation runs after every epoch",
     ),
@@ -899,5 +904,59 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_startup.py::"
          "test_a_run_that_times_no_start_up_records_none_after_a_run_stopped_before_its_first_step",),
         "in a notebook or a search's trials, a run reports the start-up of one that stopped before its first step",
+    ),
+    # ---- issue 46, item 1: trainer.eval_every_steps ---------------------------------------------------
+    Mutation(
+        "no-evaluation-mid-epoch", "common/run/training_run.py",
+        "evaluating = self.evaluations.mid_epoch(progress.step) and not plan.epoch_done()", "evaluating = False",
+        (EVAL_TIMM,),
+        "trainer.eval_every_steps evaluates only where an epoch ends: a one-epoch run evaluates once, at its end",
+    ),
+    Mutation(
+        "stop-signal-skips-the-evaluation", "common/run/training_run.py",
+        "                    progress.evaluation_owed = True\n", "                    pass\n",
+        (EVAL_RESUMED,),
+        "a run pre-empted at an evaluation's step never evaluates there: its eval/* history and best checkpoint "
+        "differ from an uninterrupted run's",
+    ),
+    Mutation(
+        "mid-epoch-evaluation-not-checkpointed", "common/run/training_run.py",
+        "        self.save(metrics, milestone=self.milestones.get(self.progress.epoch) if epoch_done else None)\n",
+        "        if epoch_done:\n            self.save(metrics, milestone=self.milestones.get(self.progress.epoch))\n",
+        (EVAL_TIMM,),
+        "a mid-epoch evaluation leaves no checkpoint: its best is never kept, and a kill soon after loses the steps",
+    ),
+    Mutation(
+        "loader-restarts-after-a-mid-epoch-evaluation", "common/run/training_run.py",
+        "self._stream_at = (self.sampler.epoch, self.sampler.consumed) if self._mid_epoch_evaluation else None",
+        "self._stream_at = None",
+        (EVAL_TIMM,),
+        "after each mid-epoch evaluation the training loader starts anew: its workers and prefetched batches are lost",
+    ),
+    Mutation(
+        "search-hears-evaluations-by-epoch", "common/run/training_run.py",
+        "at = self.progress.step if self.evaluations.by_steps else self.progress.epoch",
+        "at = self.progress.epoch",
+        (EVAL_RESUMED,),
+        "a search's pruner hears only the first evaluation of each epoch (Optuna ignores repeats of a step)",
+    ),
+    Mutation(
+        "early-stopping-only-at-epoch-ends", "common/run/training_run.py",
+        "            self._count_improvement(metrics, may_stop=True)\n",
+        "            self._count_improvement(metrics, may_stop=epoch_done)\n",
+        (f"{EVAL_STEPS}test_early_stopping_counts_evaluations_every_n_steps",),
+        "trainer.early_stopping_patience waits for an epoch's end: a one-epoch run never stops early",
+    ),
+    Mutation(
+        "negative-eval-every-steps-accepted", "common/run/cadence.py",
+        "        if self.every_steps < 0:\n", "        if False:\n",
+        (f"{EVAL_STEPS}test_a_bad_evaluation_cadence_is_refused_in_one_line[negative]",),
+        "trainer.eval_every_steps=-1 silently evaluates by epochs",
+    ),
+    Mutation(
+        "both-evaluation-cadences-accepted", "common/run/cadence.py",
+        "        if self.every_steps and self.every_epochs != 1:\n", "        if False:\n",
+        (f"{EVAL_STEPS}test_a_bad_evaluation_cadence_is_refused_in_one_line[both-cadences]",),
+        "trainer.eval_every_epochs is silently ignored when trainer.eval_every_steps is set",
     ),
 ]

@@ -1,8 +1,11 @@
-"""When to save and when to stop: the checkpoint cadence, the same decision on every rank.
+"""When to evaluate, when to save and when to stop: the cadences, the same decision on every rank.
 
 - :class:`StopSignals`: SIGTERM/SIGUSR1 (and a launcher's SIGUSR2) recorded, not fatal.
 - :class:`CheckpointCadence`: after each step, save and/or stop; the ranks agree every
   ``checkpoint.sync_every_steps`` steps with one tiny all-gather of a host tensor over gloo.
+- :class:`EvaluationCadence`: ``trainer.eval_every_epochs`` or ``trainer.eval_every_steps``; it
+  follows from the step and the epoch alone, so the ranks agree and a resumed run evaluates at the
+  steps an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.config import CheckpointConfig
-from common.errors import Preempted
+from common.config import CheckpointConfig, TrainerConfig
+from common.errors import Preempted, UserError
 from common.pytorch import distributed
 from common.records import heartbeat
 
@@ -135,3 +138,34 @@ class CheckpointCadence:
         bad = {rank: int(row[2]) for rank, row in enumerate(rows) if row[2] != NONE}
         return Decision(save=by_steps or due or stop, stop=stop, nonfinite_step=min(bad.values(), default=NONE),
                         nonfinite_ranks=tuple(sorted(bad)), micro_batches=tuple(int(row[3]) for row in rows))
+
+
+class EvaluationCadence:
+    """When the run evaluates (and saves the evaluation's checkpoint): at the end of every
+    ``trainer.eval_every_epochs``-th epoch, or, with ``trainer.eval_every_steps`` above 0, after every
+    ``eval_every_steps``-th optimizer step, mid-epoch included (an ImageNet epoch of 5,000 steps, a
+    run of one epoch). The finish always evaluates.
+
+    - Raises :class:`UserError` for a negative ``eval_every_steps``, or for both set (which would leave one unused).
+    """
+
+    def __init__(self, trainer: TrainerConfig) -> None:
+        self.every_epochs, self.every_steps = trainer.eval_every_epochs, trainer.eval_every_steps
+        if self.every_steps < 0:
+            raise UserError(f"trainer.eval_every_steps={self.every_steps} is negative: set the optimizer steps "
+                            f"between evaluations, or 0 to evaluate every trainer.eval_every_epochs epochs")
+        if self.every_steps and self.every_epochs != 1:
+            raise UserError(f"trainer.eval_every_steps={self.every_steps} and trainer.eval_every_epochs="
+                            f"{self.every_epochs} are both set: keep one (eval_every_steps=0 evaluates by epochs)")
+
+    @property
+    def by_steps(self) -> bool:
+        return self.every_steps > 0
+
+    def mid_epoch(self, step: int) -> bool:
+        """Whether an evaluation follows ``step``, a step that does not end its epoch."""
+        return self.by_steps and step % self.every_steps == 0
+
+    def at_epoch_end(self, epoch: int, step: int) -> bool:
+        """Whether an evaluation follows the end of the ``epoch``-th epoch, at optimizer step ``step``."""
+        return self.mid_epoch(step) if self.by_steps else epoch % self.every_epochs == 0

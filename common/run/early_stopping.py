@@ -42,8 +42,8 @@ class EarlyStopping:
         progress.stopped_early = True
         best_text = "no value" if progress.best_value is None else f"{progress.best_value:.4g}"
         return (f"early stopping: {name} has not improved on {best_text} for "
-                f"{progress.evals_without_improvement} evaluation(s); stopping after epoch {progress.epoch} "
-                f"(step {progress.step})")
+                f"{progress.evals_without_improvement} evaluation(s); stopping at step {progress.step} "
+                f"({progress.epoch} epoch(s) done)")
 
     def summary(self, progress: Progress) -> dict[str, Any]:
         """The summary's ``early_stopping`` entry."""

@@ -35,6 +35,9 @@ class Progress:
     # Where the training images are decoded ("cpu", "gpu"; "" in recipes without the choice): a resume under
     # data.decode=auto decodes as the run began, so that it draws the same augmentations.
     decode: str = ""
+    # trainer.eval_every_steps: a stop signal came at an evaluation's step, and the run saved and stopped
+    # before evaluating (a stop must be quick); the resumed run evaluates there first.
+    evaluation_owed: bool = False
 
     def describe(self) -> str:
         """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""

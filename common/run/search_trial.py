@@ -3,10 +3,11 @@
 - ``python -m tools.search`` starts each trial as an ordinary run, with :data:`_TRIAL_VARIABLE` naming
   the storage, the trial and the objective; without the variable nothing changes.
 - The run contract (``common/run/training_run.py``) calls :meth:`SearchTrial.report` after each
-  epoch-end evaluation, so every recipe can be pruned without code of its own.
+  evaluation before the finish, so every recipe can be pruned without code of its own.
 - Rank 0 alone talks to the study (a journal file or a database); one broadcast shares its answer.
 - Reported by epoch (Optuna's ``step``): epochs line up across trials whatever their batch size; a
-  resumed trial reports the same epochs again, and Optuna ignores the repeats.
+  resumed trial reports the same epochs again, and Optuna ignores the repeats. With
+  ``trainer.eval_every_steps`` by optimizer step instead: several evaluations in one epoch each count.
 - Optuna is imported only by a trial, so other runs start no slower.
 """
 
@@ -90,8 +91,9 @@ class SearchTrial:
         except (ValueError, TypeError) as error:
             raise UserError(f"{_TRIAL_VARIABLE} is not what tools.search writes: {error}") from error
 
-    def report(self, metrics: dict[str, float], epoch: int, is_main: bool) -> bool:
-        """Report the objective among ``metrics`` at epoch ``epoch``; True when the pruner stops this trial.
+    def report(self, metrics: dict[str, float], at: int, is_main: bool) -> bool:
+        """Report the objective among ``metrics`` at ``at`` (Optuna's step: the epoch, or the optimizer
+        step under ``trainer.eval_every_steps``); True when the pruner stops this trial.
 
         Collective: every rank calls it, rank 0 decides. ``UserError`` when the objective is missing."""
         if self.metric not in metrics:
@@ -100,7 +102,7 @@ class SearchTrial:
         prune = None
         if is_main:
             trial = self._open()
-            trial.report(float(metrics[self.metric]), epoch)
+            trial.report(float(metrics[self.metric]), at)
             prune = trial.should_prune()
         return bool(distributed.broadcast_object(prune))
 

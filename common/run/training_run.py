@@ -8,7 +8,7 @@ A recipe hands :class:`TrainingRun` its config and what a checkpoint holds, and 
         for group in run.steps(micro_batches):       # one optimizer step per group of micro-batches
             ...forward, backward, optimizer step...
             run.step_done(group.samples, grad_norm, loss=train_sums.running("loss"))
-        run.end_epoch(evaluate)                      # evaluates (when due) and saves
+        run.end_epoch(evaluate)                      # evaluates (when due) and saves; also mid-epoch
     run.finish(evaluate)                             # final evaluation, checkpoint, summary.json
 
 - Its parts: :mod:`~common.run.cadence` (when to save and stop), :mod:`~common.run.divergence`
@@ -41,7 +41,7 @@ from common.records.provenance import bit_identity_differences, segment_record
 from common.records.summary import output_lines, state_digest, write_summary
 from common.records.telemetry import FlopCount, StepTelemetry, clip_grad_norm
 from common.run import state
-from common.run.cadence import NONE, CheckpointCadence, StopSignals
+from common.run.cadence import NONE, CheckpointCadence, EvaluationCadence, StopSignals
 from common.run.compile_cache import CompileCache
 from common.run.divergence import Divergence
 from common.run.early_stopping import EarlyStopping
@@ -82,6 +82,7 @@ class TrainingRun:
             best_mode=checkpoint.best_mode,
             async_save=checkpoint.async_save,
         )
+        self.evaluations = EvaluationCadence(cfg.trainer)
         self.cadence = CheckpointCadence(checkpoint, StopSignals())
         self.cfg, self.trainer, self.dist_info, self.plan = cfg, cfg.trainer, dist_info, plan
         self.recipe, self.run_dir = cfg.recipe, Path(cfg.run_dir)
@@ -115,6 +116,8 @@ class TrainingRun:
         # sampler must be for it to go on (the next epoch's start once an epoch is done; None: start anew).
         self._stream: tuple[Any, Iterator[Any]] | None = None
         self._stream_at: tuple[int, int] | None = None
+        # steps() ended mid-epoch for a trainer.eval_every_steps evaluation, which end_epoch() runs and saves
+        self._mid_epoch_evaluation = False
         self._clock = time.monotonic()  # wall time of this segment, added to progress.train_seconds at each save
         self.optimizer = None
         self.track_optimizer(optimizer, scheduler)
@@ -259,10 +262,15 @@ class TrainingRun:
           batch ahead, so on a GPU the copy overlaps the step before (:func:`~common.data.loaders.copied_ahead`).
         - The loop must call :meth:`step_done` once per step; after it this saves when the cadence
           says so, and after SIGTERM/SIGUSR1 saves and raises :class:`~common.errors.Preempted`.
-        - Ends at the epoch's end, at the run's last step, or after a rollback.
+        - Ends at the epoch's end, at the run's last step, after a rollback, or mid-epoch where
+          ``trainer.eval_every_steps`` says (the loop's :meth:`end_epoch` evaluates; the next call goes on).
+          A stop signal at such a step saves and stops at once; the resumed run evaluates there first.
         - Also: ``train/data_wait_frac`` timing, FLOP counting (``train/mfu``), ``profile.*`` traces.
         """
         plan, progress, halving = self.plan, self.progress, self.out_of_memory
+        if progress.evaluation_owed:  # stopped at an evaluation's step before evaluating: end_epoch() evaluates
+            progress.evaluation_owed, self._mid_epoch_evaluation = False, True
+            return
         if self._save_before_next_step:
             self._save_before_next_step = False
             self.save()
@@ -290,9 +298,15 @@ class TrainingRun:
                     return  # the finish saves the last step
                 decision = self.cadence.after_step(progress.step, self.divergence.poll, self.micro_batch)
                 halving.agree(decision.micro_batches)
-                if decision.nonfinite_step != NONE or decision.save:
+                evaluating = self.evaluations.mid_epoch(progress.step) and not plan.epoch_done()
+                if decision.nonfinite_step != NONE or decision.save or evaluating:
                     if not self.divergence.check():
                         return  # rolled back: the caller's loop goes on from where the sampler now is
+                if evaluating and decision.stop:  # a stop is quick: the checkpoint owes the evaluation to the resume
+                    progress.evaluation_owed = True
+                elif evaluating:  # the loop's end_epoch() evaluates and saves
+                    self._mid_epoch_evaluation = True
+                    return
                 if decision.save:
                     self.save()
                 if decision.stop:
@@ -303,7 +317,10 @@ class TrainingRun:
         finally:
             self._bar.close()
             self._bar = None
-            self._stream_at = (self.sampler.epoch + 1, 0) if plan.epoch_done() else None
+            if plan.epoch_done():
+                self._stream_at = (self.sampler.epoch + 1, 0)
+            else:  # after a mid-epoch evaluation the loader's iterator goes on; otherwise a new one starts
+                self._stream_at = (self.sampler.epoch, self.sampler.consumed) if self._mid_epoch_evaluation else None
             if self._flop_count is not None:  # a step that failed: its counter must not stay on in this process
                 self._flop_count.stop()
                 self._flop_count = None
@@ -404,25 +421,36 @@ class TrainingRun:
             self.logger.console(message)
 
     def end_epoch(self, evaluate: Callable[[], dict[str, float]]) -> None:
-        """After :meth:`steps`: close a complete epoch and save its checkpoint.
+        """After :meth:`steps`: close a complete epoch and save its checkpoint, or run a mid-epoch evaluation.
 
         - Checks first that training is finite (a rollback leaves the epoch unfinished).
-        - Evaluates every ``trainer.eval_every_epochs`` epochs; early stopping or a search's
-          pruner may end training there (the finish then evaluates and saves).
-        - Saves nothing when training is done: the finish does.
+        - Evaluates as :class:`~common.run.cadence.EvaluationCadence` says: every ``trainer.eval_every_epochs``
+          epochs, or after every ``trainer.eval_every_steps`` steps (where :meth:`steps` ended mid-epoch,
+          or an epoch's last step); each evaluation is followed by a checkpoint with its metrics.
+        - Early stopping or a search's pruner may end training at an evaluation (the finish then
+          evaluates and saves). Saves nothing when training is done: the finish does.
         """
-        if not self.divergence.check() or not self.plan.epoch_done():
+        mid_epoch, self._mid_epoch_evaluation = self._mid_epoch_evaluation, False
+        if not self.divergence.check():
             return
-        self.progress.epoch += 1
-        self.sampler.set_epoch(self.progress.epoch)
-        if self.training_done():
+        epoch_done = self.plan.epoch_done()
+        if epoch_done:
+            self.progress.epoch += 1
+            self.sampler.set_epoch(self.progress.epoch)
+            if self.training_done():
+                return
+            due = self.evaluations.at_epoch_end(self.progress.epoch, self.progress.step)
+        elif mid_epoch:
+            due = True
+        else:
             return
-        metrics = self._evaluate(evaluate) if self.progress.epoch % self.trainer.eval_every_epochs == 0 else None
+        metrics = self._evaluate(evaluate) if due else None
         if metrics is not None:
             self._count_improvement(metrics, may_stop=True)
             self._report_to_search(metrics)
-        if not self.training_done():
-            self.save(metrics, milestone=self.milestones.get(self.progress.epoch))
+        if self.training_done():
+            return
+        self.save(metrics, milestone=self.milestones.get(self.progress.epoch) if epoch_done else None)
 
     def _evaluate(self, evaluate: Callable[[], dict[str, float]]) -> dict[str, float]:
         """``evaluate()``, marked in the heartbeat and left out of the step time."""
@@ -439,7 +467,8 @@ class TrainingRun:
         training here (collective: the ranks agree on the study's answer)."""
         if self.search_trial is None:
             return
-        if self.search_trial.report(metrics, self.progress.epoch, self.dist_info.is_main):
+        at = self.progress.step if self.evaluations.by_steps else self.progress.epoch
+        if self.search_trial.report(metrics, at, self.dist_info.is_main):
             metric = self.search_trial.metric
             self.progress.pruned = {"step": self.progress.step, "epoch": self.progress.epoch, "metric": metric,
                                     "value": metrics[metric]}

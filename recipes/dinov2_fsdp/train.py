@@ -166,7 +166,7 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
                     train_sums.reset()
                     run.log_train({"train/loss": ratio(sums, "loss", "count"),
                                    "train/top1": ratio(sums, "top1", "count"), "train/lr": scheduler.get_last_lr()[0]})
-        run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
+        run.end_epoch(run_eval)  # evaluate when due (eval_every_epochs/_steps), checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------
     run.finish(run_eval, stage=stage.value)

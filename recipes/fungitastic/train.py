@@ -178,7 +178,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
                     metrics |= {f"train/{level}/top1": ratio(sums, f"top1_{level}", f"count_{level}")
                                 for level in levels}
                     run.log_train(metrics)
-        run.end_epoch(lambda: run_eval("val"))  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
+        run.end_epoch(lambda: run_eval("val"))  # evaluate when due (eval_every_epochs/_steps), checkpoint
 
     # ---- finish: final validation and test evaluation and checkpoint, then summary.json ------
     run.finish(final_eval, excluded_unknown_species={files.name: files.unknown_species for files in splits},

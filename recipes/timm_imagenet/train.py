@@ -226,7 +226,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
                     run.log_train({"train/loss": ratio(sums, "loss", "count"),
                                    "train/top1": ratio(sums, "top1", "count"),
                                    "train/lr": optimizer.param_groups[0]["lr"]})
-        run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
+        run.end_epoch(run_eval)  # evaluate when due (eval_every_epochs/_steps), checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------
     run.finish(run_eval, model=cfg.model.name, num_classes=num_classes)

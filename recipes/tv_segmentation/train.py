@@ -114,7 +114,7 @@ def train(cfg: TvSegmentationConfig, dist_info: DistInfo) -> None:
                     sums = train_sums.reduce()
                     train_sums.reset()
                     run.log_train({"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0]})
-        run.end_epoch(run_eval)  # a whole epoch: evaluate every trainer.eval_every_epochs, checkpoint
+        run.end_epoch(run_eval)  # evaluate when due (eval_every_epochs/_steps), checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------
     run.finish(run_eval, model=cfg.model.name, dataset=cfg.data.dataset.value)
