@@ -128,7 +128,8 @@ def test_early_stopping_counts_evaluations_every_n_steps(tmp_path: Path,
 @pytest.mark.parametrize(("overrides", "line"), [
     (("trainer.eval_every_steps=-1",), "trainer.eval_every_steps=-1 is negative"),
     (("trainer.eval_every_steps=5", "trainer.eval_every_epochs=2"), "are both set: keep one"),
-], ids=["negative", "both-cadences"])
+    (("trainer.eval_every_epochs=0",), "trainer.eval_every_epochs=0 is below 1"),
+], ids=["negative", "both-cadences", "no-epochs"])
 def test_a_bad_evaluation_cadence_is_refused_in_one_line(overrides: tuple[str, ...], line: str, tmp_path: Path,
                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
     configs = Configs("fashion_mnist", tmp_path, tiny_settings("fashion_mnist", tmp_path_factory))

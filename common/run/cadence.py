@@ -146,7 +146,8 @@ class EvaluationCadence:
     ``eval_every_steps``-th optimizer step, mid-epoch included (an ImageNet epoch of 5,000 steps, a
     run of one epoch). The finish always evaluates.
 
-    - Raises :class:`UserError` for a negative ``eval_every_steps``, or for both set (which would leave one unused).
+    - Raises :class:`UserError` for a negative ``eval_every_steps``, an ``eval_every_epochs`` below 1, or for
+      both set (which would leave one unused).
     """
 
     def __init__(self, trainer: TrainerConfig) -> None:
@@ -154,6 +155,9 @@ class EvaluationCadence:
         if self.every_steps < 0:
             raise UserError(f"trainer.eval_every_steps={self.every_steps} is negative: set the optimizer steps "
                             f"between evaluations, or 0 to evaluate every trainer.eval_every_epochs epochs")
+        if self.every_epochs < 1:
+            raise UserError(f"trainer.eval_every_epochs={self.every_epochs} is below 1: set the epochs between "
+                            f"evaluations (1: every epoch), or trainer.eval_every_steps for evaluations by step")
         if self.every_steps and self.every_epochs != 1:
             raise UserError(f"trainer.eval_every_steps={self.every_steps} and trainer.eval_every_epochs="
                             f"{self.every_epochs} are both set: keep one (eval_every_steps=0 evaluates by epochs)")
