@@ -160,9 +160,11 @@ def test_timm_trains_each_epoch_at_its_size_evaluates_at_eval_size_and_a_resume_
 
 def test_fungitastic_builds_its_vit_for_any_size_and_trains_each_epoch_at_its_size(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    """test_vit's 16 px patches tile 16 and 32 px, not 24 (a one-line error)."""
+    """A ViT that timm builds for one size (test_vit3; test_vit takes any already) is built with
+    dynamic_img_size; its 16 px patches tile 16 and 32 px, not 24 (a one-line error)."""
     configs = Configs("fungitastic", tmp_path_factory.mktemp("progressive-fungi"),
-                      [*tiny_settings("fungitastic", tmp_path_factory), *GROWING])
+                      [*tiny_settings("fungitastic", tmp_path_factory), "model.name=test_vit3",
+                       "trainer.batch_size=8", *GROWING])
     assert "16px patches do not all tile" in probe("fungitastic", configs()).error
     run = probe("fungitastic", configs("data.progressive.step=16", "data.progressive.end_epoch=1"), steps=None)
     assert run.error is None
