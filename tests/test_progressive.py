@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounter
 from common.config import Decode, ProgressiveConfig
 from common.data.device_input import DeviceTrainInput
 from common.data.images import PathImages, TrainAugmentation, TrainImages, collate_train
-from common.data.loaders import PerSampleSeeded
+from common.data.loaders import PerSampleSeeded, make_train_loader
 from common.data.progressive import ImageSizes, ProgressiveImages, check_takes_any_size
 from common.errors import UserError
 from common.records.loggers import METRICS_FILE, read_metrics_file
@@ -111,6 +111,18 @@ def test_each_sample_is_made_at_its_epochs_size_as_the_run_of_that_size_makes_it
         images = device(batch[0])
         assert images.shape == (4, 3, size, size)
         torch.testing.assert_close(images, device(alone[0]), rtol=0, atol=0)
+
+
+def test_a_persistent_worker_makes_each_epochs_batches_at_that_epochs_size(tmp_path: Path) -> None:
+    """One worker, forked once for the whole run, serves three epochs' batches (as a run's one training
+    iterator does, the next epoch's asked for before the current one ends) each at its epoch's size."""
+    sizes = ImageSizes(16, 32, 0, 2, 8)
+    by_size = {size: TrainImages(jpegs(tmp_path, 2), TrainAugmentation(size=size), Decode.cpu)
+               for size in sizes.distinct()}
+    batches = [[(epoch, 0), (epoch, 1)] for epoch in range(3)]
+    loader = make_train_loader(ProgressiveImages(by_size, sizes, seed=0), batches, 1, False, collate_fn=collate_train)
+    assert loader.persistent_workers
+    assert [inputs["image"].shape[-1] for inputs, _ in loader] == [16, 24, 32]
 
 
 def test_under_compile_each_size_compiles_once_and_no_step_recompiles(monkeypatch: pytest.MonkeyPatch) -> None:
