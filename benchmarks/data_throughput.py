@@ -207,7 +207,7 @@ def fungitastic(workdir: Path) -> Pipeline:
         paths.append(str(path))
     cfg = typed_config(compose_config("fungitastic", [f"data.root={workdir / 'fungi'}"]))
     labels = torch.zeros(len(paths), len(cfg.data.levels), dtype=torch.int64)
-    dataset = TrainImages(PathImages(paths, labels), train_augmentation(cfg.data), cfg.data.decode,
+    dataset = TrainImages(PathImages(paths, labels), train_augmentation(cfg.data, cfg.data.image_size), cfg.data.decode,
                           cfg.data.draft_decode)
     model = timm.create_model(cfg.model.name, pretrained=False)
     size = cfg.data.image_size

@@ -64,8 +64,8 @@ def run(quick: bool) -> list[Result]:
                 paths = write_jpegs(Path(tmp), count, short_side)
                 labels = [0] * count
                 for draft in (False, True):
-                    train = PerSampleSeeded(TrainImages(PathImages(paths, labels), train_augmentation(cfg), Decode.cpu,
-                                                        draft), 0)
+                    augmentation = train_augmentation(cfg, cfg.image_size)
+                    train = PerSampleSeeded(TrainImages(PathImages(paths, labels), augmentation, Decode.cpu, draft), 0)
                     rate = images_per_second(train, [(0, i) for i in range(count)], repeats)
                     results.append(Result(BENCHMARK, f"train, {short_side}p, draft={draft}", rate, "images/s",
                                           "RandomResizedCrop(224, 0.8-1) + RandAugment(2, 20)"))

@@ -162,7 +162,7 @@ def fungitastic_pipelines(images: list[str], files: Dataset, shards: Dataset) ->
     size = cfg.data.image_size
     before = v2.Compose([v2.RandomResizedCrop(size, scale=(cfg.data.crop_scale_min, 1.0), antialias=True),
                          v2.RandAugment(num_ops=cfg.data.randaugment_ops, magnitude=cfg.data.randaugment_magnitude)])
-    augmentation = train_augmentation(cfg.data)
+    augmentation = train_augmentation(cfg.data, size)
     return {
         "before: PIL draft decoding, uint8": (PilPipeline(images, before, draft_size=size, to_tensor=True),
                                               default_collate),

@@ -65,6 +65,18 @@ class ShardsConfig:
     cache_limit: str = "200GB"  # the cache's bound; the set should fit (ImageNet's is about 150GB)
 
 
+@dataclass
+class ProgressiveConfig:
+    """Progressive resizing (FFCV's ResNet-50 recipes): low resolution early, the recipe's training size late.
+
+    The size of each epoch follows from the epoch alone (``common/data/progressive.py``); evaluation keeps its own."""
+
+    start_size: int = 0  # training image size up to start_epoch; 0 = off (every epoch at the recipe's training size)
+    start_epoch: int = 0  # epochs count from 0, as FFCV's: the size grows linearly from this epoch ...
+    end_epoch: int = 0  # ... to the recipe's training size (timm_imagenet's train_size, fungitastic's image_size) here
+    step: int = 32  # every size is a multiple of this
+
+
 class ActivationCheckpointing(str, Enum):
     """What the backward pass computes again instead of keeping (``common/pytorch/activation_checkpointing.py``)."""
 

@@ -102,20 +102,32 @@ def sampler_order(p: Probe) -> list[Any]:
     return [type(sampler).__name__, sampler.num_samples, sampler.global_order(0)]
 
 
+def train_source(p: Probe) -> Any:
+    """The source of the training loader's images (a file list, shards), under its wrappers."""
+    dataset = p.micro_batches.dataset
+    if hasattr(dataset, "by_size"):  # ProgressiveImages: one PerSampleSeeded per size, each over the same source
+        dataset = next(iter(dataset.by_size.values()))
+    return dataset.dataset.images  # PerSampleSeeded, TrainImages
+
+
 def train_files(p: Probe) -> list[str]:
     """The image files the training loader reads (or the shards it reads them from)."""
-    dataset = p.micro_batches.dataset
+    dataset = train_source(p)
     while not hasattr(dataset, "paths"):
-        dataset = getattr(dataset, "dataset", None) or dataset.images  # PerSampleSeeded, TrainImages
         if hasattr(dataset, "location"):  # ShardImages
             return [dataset.location, dataset.cache_dir, dataset.cache_limit]
+        dataset = dataset.dataset
     return sorted(map(str, dataset.paths))
 
 
 def train_list(p: Probe) -> str | None:
     """Which making of the saved file list the training loader reads (each making has a token of its own)."""
-    dataset = p.micro_batches.dataset.dataset.images  # PerSampleSeeded, TrainImages
-    return dataset.index.info.get("token")  # none when `make prep-<recipe>` made it
+    return train_source(p).index.info.get("token")  # none when `make prep-<recipe>` made it
+
+
+def epoch_sizes(p: Probe) -> list[int]:
+    """The training image size of every epoch of the run (``data.progressive``), as the loader makes them."""
+    return [p.micro_batches.dataset.sizes.of_epoch(epoch) for epoch in range(p.run.plan.epochs)]
 
 
 def profiled_steps(p: Probe) -> list[str]:
@@ -151,6 +163,7 @@ OBSERVABLES: dict[str, tuple[str, Callable[[Probe], Any]]] = {
     "train files": (BUILD, train_files),
     "checkpointed blocks": (BUILD, checkpointed_blocks),
     "train list": (BUILD, train_list),
+    "epoch sizes": (BUILD, epoch_sizes),
     "wandb project": (BUILD, wandb_init("project")),
     "wandb mode": (BUILD, wandb_init("mode")),
     "first batch": (STEP, lambda p: p.inputs[0]),
@@ -245,6 +258,10 @@ PROFILED = ("profile.enabled=true", "profile.start_step=1", "profile.active_step
 SAME_RUN_DIR = ("run_dir={tmp}/same",)  # the folders that default to ${run_dir}/... then differ by their key alone
 SHARDS = ("data.format=shards", "data.shards.root={shards}")
 REMOTE_SHARDS = ("data.format=shards", "data.shards.root=file://{shards}")
+# data.progressive: epochs 0-4 at 16, 16, 24, 32, 32 px, on a convolutional network (fungitastic's test_vit has
+# 16 px patches, which do not tile 24 px)
+GROWING = ("model.name=test_resnet", "data.progressive.start_size=16", "data.progressive.step=8",
+           "data.progressive.end_epoch=4")
 # The keys of the JPEG recipes' data sources (issue 37): what they read their images from (in CHECKS).
 DATA_SOURCE_CHECKS = {
     "data.format": check("train files", "data.format=shards", context=SHARDS[1:]),
@@ -331,6 +348,11 @@ CHECKS: dict[str, Check] = {
     "optim.label_smoothing": check("first loss", "optim.label_smoothing=0.3"),
     # the data sources of the recipes that read JPEGs
     **DATA_SOURCE_CHECKS,
+    # data.progressive (timm_imagenet, fungitastic): the first epochs at 16 px, the last at the tiny settings' 32 px
+    "data.progressive.start_size": check("first batch", "data.progressive.start_size=32", context=GROWING),
+    "data.progressive.start_epoch": check("epoch sizes", "data.progressive.start_epoch=2", context=GROWING),
+    "data.progressive.end_epoch": check("epoch sizes", "data.progressive.end_epoch=8", context=GROWING),
+    "data.progressive.step": check("epoch sizes", "data.progressive.step=16", context=GROWING),
 }
 
 # Each recipe's own keys: KEY_CHECKS in recipes/<recipe>/testing.py (tests/recipe_tables.py), so that a

@@ -220,7 +220,7 @@ def test_device_crops_cut_each_image_to_its_box_in_uint8_before_the_float_conver
     images.append(torch.randint(0, 256, (3, 90, 40), dtype=torch.uint8, generator=generator))
     boxes = torch.tensor([[100.5, 200.25, 40.0, 30.5], [560.0, 0.0, 40.0, 50.0], [0.0, 0.0, 90.0, 40.0]])
     with FloatCopies() as copies:
-        crops = to_model.resized_crops(images, boxes)
+        crops = to_model.resized_crops(images, boxes, 16)
     # The boxes and a pixel around them, not past an edge: rows 99-141 and columns 199-231, rows
     # 559-599 and columns 0-50; the small image is all box.
     assert copies.sizes == [3 * 43 * 33, 3 * 41 * 51, 3 * 90 * 40]

@@ -48,6 +48,9 @@ SOURCES = "tests/test_data_sources.py::"
 LAYERS = "tests/test_layers.py::"
 COPY_TRAINS = ("tests/test_new_recipe.py::"
                "test_a_copy_prepares_its_data_as_its_original_does_and_the_tool_names_each_command_it_needs")
+PROGRESSIVE = "tests/test_progressive.py::"
+PROGRESSIVE_TIMM = (f"{PROGRESSIVE}test_timm_trains_each_epoch_at_its_size_evaluates_at_eval_size_and_a_resume_ends_"
+                    "with_the_same_digest")
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -958,5 +961,57 @@ MUTATIONS: list[Mutation] = [
         "        if self.every_steps and self.every_epochs != 1:\n", "        if False:\n",
         (f"{EVAL_STEPS}test_a_bad_evaluation_cadence_is_refused_in_one_line[both-cadences]",),
         "trainer.eval_every_epochs is silently ignored when trainer.eval_every_steps is set",
+    ),
+    # ---- issue 46, item 2: progressive resizing (data.progressive) ------------------------------
+    Mutation(
+        "progressive-size-not-rounded-to-the-step", "common/data/progressive.py",
+        "        return self.step * round(grown / self.step)", "        return int(grown)",
+        (f"{PROGRESSIVE}test_each_epochs_size_is_ffcvs_and_depends_on_the_epoch_alone",),
+        "epochs between the ramp's ends train at sizes that are no multiple of the step (FFCV's 32 px)",
+    ),
+    Mutation(
+        "progressive-every-epoch-at-the-start-size", "common/data/progressive.py",
+        "        return self.by_size[self.sizes.of_epoch(key[0])][key]",
+        "        return self.by_size[self.sizes.start][key]",
+        (f"{PROGRESSIVE}test_each_sample_is_made_at_its_epochs_size_as_the_run_of_that_size_makes_it",
+         PROGRESSIVE_TIMM),
+        "the size never grows: every epoch trains at data.progressive.start_size",
+    ),
+    Mutation(
+        "progressive-device-crops-at-the-end-size", "common/data/device_input.py",
+        '        size = int(batch["output_size"][0])', "        size = self.augmentation.size",
+        (f"{PROGRESSIVE}test_each_sample_is_made_at_its_epochs_size_as_the_run_of_that_size_makes_it",),
+        "with data.decode=gpu every epoch trains at the full size: progressive resizing does nothing",
+    ),
+    Mutation(
+        "progressive-sizes-share-a-dynamic-graph", "common/run/steps.py",
+        "    return torch.compile(model, dynamic=False)", "    return torch.compile(model, dynamic=None)",
+        (f"{PROGRESSIVE}test_under_compile_each_size_compiles_once_and_no_step_recompiles",),
+        "under trainer.compile the third size and after run a slower dynamic-shape graph",
+    ),
+    Mutation(
+        "progressive-sizes-off-the-step-accepted", "common/data/progressive.py",
+        "        if cfg.start_size % cfg.step or end % cfg.step:", "        if False:",
+        (f"{PROGRESSIVE}test_bad_values_are_one_line_errors",),
+        "a start or end size off the step makes a ramp whose sizes jump past its own ends",
+    ),
+    Mutation(
+        "progressive-size-not-logged", "recipes/timm_imagenet/train.py",
+        '"train/lr": optimizer.param_groups[0]["lr"]} | sizes.logged(progress.epoch))',
+        '"train/lr": optimizer.param_groups[0]["lr"]})',
+        (PROGRESSIVE_TIMM,),
+        "the logs do not say at which size each step trained (train/image_size)",
+    ),
+    Mutation(
+        "progressive-fungitastic-vit-of-one-size", "recipes/fungitastic/spec.py",
+        "any_size=cfg.data.progressive.start_size > 0)", "any_size=False)",
+        (f"{PROGRESSIVE}test_fungitastic_builds_its_vit_for_any_size_and_trains_each_epoch_at_its_size",),
+        "fungitastic's ViTs stop at start-up with data.progressive on",
+    ),
+    Mutation(
+        "progressive-patches-that-do-not-tile-a-size", "common/data/progressive.py",
+        "any(size % side for size in sizes.distinct() for side in patch)", "False",
+        (f"{PROGRESSIVE}test_fungitastic_builds_its_vit_for_any_size_and_trains_each_epoch_at_its_size",),
+        "a ViT whose patches do not tile an epoch's size fails at that epoch's first step with a traceback",
     ),
 ]

@@ -118,12 +118,12 @@ class DeviceTrainInput:
         for i, image in zip(jpegs, self.decode_jpegs([pieces[i] for i in jpegs], [batch["path"][i] for i in jpegs])):
             check_size(image.shape[1:], sizes[i][1], sizes[i][0], batch["path"][i])  # shapes are known on the host
             images[i] = image
-        crops = self.resized_crops(images, batch["box"])
+        size = int(batch["output_size"][0])  # the batch's epoch's (data.progressive); a host tensor: no sync
+        crops = self.resized_crops(images, batch["box"], size)
         crops = crops.round_().clamp_(0, 255).to(torch.uint8)  # the per-sample policy sees uint8, as on the CPU
         flips = batch["flip"].to(self.device, non_blocking=True).view(-1, 1, 1, 1)
         crops = torch.where(flips, crops.flip(-1), crops)
         if self.device_policy is not None:  # each sample's ops drawn from its seed, applied to the batch
-            size = self.augmentation.size
             with torch.random.fork_rng(devices=[]):  # the policy draws from torch's CPU generator
                 draws = []
                 for seed in batch["seed"].tolist():
@@ -176,8 +176,9 @@ class DeviceTrainInput:
             image.record_stream(training_stream)  # freed: reused once the training stream's work on it is done
         return images
 
-    def resized_crops(self, images: list[torch.Tensor], boxes: torch.Tensor) -> torch.Tensor:
-        """float ``[B, 3, S, S]``: each image's box resized with ``roi_align`` (bilinear, averaged when shrinking).
+    def resized_crops(self, images: list[torch.Tensor], boxes: torch.Tensor, size: int) -> torch.Tensor:
+        """float ``[B, 3, S, S]``: each image's box resized to ``size`` with ``roi_align`` (bilinear, averaged
+        when shrinking).
 
         - Each image is cut to its box (plus a pixel of margin) in uint8 before the float conversion: a
           whole 12-megapixel photo in float32 is 146 MB. The boxes reach the device in one copy.
@@ -197,7 +198,6 @@ class DeviceTrainInput:
         if self.device.type == "cuda":
             rois = rois.pin_memory()
         rois = rois.to(self.device, non_blocking=True)
-        size = self.augmentation.size
         kernel = torch.ops.torchvision.roi_align  # (input, rois, spatial scale, height, width, sampling, aligned)
         return torch.cat([kernel(region[None].float(), rois[i : i + 1], 1.0, size, size, -1, True)
                           for i, region in enumerate(regions)])

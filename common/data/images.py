@@ -293,6 +293,7 @@ class TrainImages(Dataset):
             "box": torch.tensor(box, dtype=torch.float32),
             "flip": torch.tensor(draw.flip),
             "seed": torch.tensor(draw.seed),
+            "output_size": torch.tensor(self.augmentation.size),  # the crop's, which can vary by epoch
             "path": image.name,
         }
 

@@ -17,6 +17,7 @@ from common.config import (
     Decode,
     FSDPConfig,
     Precision,
+    ProgressiveConfig,
     RunConfig,
     ShardsConfig,
     TrainerConfig,
@@ -38,7 +39,8 @@ class DataConfig:
     size: str = "300p"  # which image folder to read: 300p, 500p, 720p or fullsize
     minimal: bool = False  # use the *-Minimal.csv subsets written by `MINI=1 make prep-fungitastic`
     levels: list[str] = field(default_factory=lambda: list(DEFAULT_LEVELS))  # one head per level
-    image_size: int = 224
+    image_size: int = 224  # training (the last epochs' under data.progressive) and evaluation
+    progressive: ProgressiveConfig = field(default_factory=ProgressiveConfig)  # image_size grown to from start_size
     crop_scale_min: float = 0.8  # RandomResizedCrop scale (min, 1.0), as the published baseline
     randaugment_ops: int = 2  # RandAugment(2, 20): the FGVC "vit_heavy" baseline; 0 ops = off
     randaugment_magnitude: int = 20

@@ -135,9 +135,9 @@ def split_files(cfg: DataConfig, split: str, mappings: dict, run_dir: str, local
     return SplitFiles(split, origin, images, info["unknown_species"], missing)
 
 
-def train_augmentation(cfg: DataConfig) -> TrainAugmentation:
-    """RandomResizedCrop(image_size, scale (crop_scale_min, 1)), an optional flip, RandAugment."""
+def train_augmentation(cfg: DataConfig, size: int) -> TrainAugmentation:
+    """RandomResizedCrop(size, scale (crop_scale_min, 1)), an optional flip, RandAugment."""
     policy = v2.RandAugment(num_ops=cfg.randaugment_ops, magnitude=cfg.randaugment_magnitude) \
         if cfg.randaugment_ops > 0 else None
-    return TrainAugmentation(size=cfg.image_size, scale=(cfg.crop_scale_min, 1.0),
+    return TrainAugmentation(size=size, scale=(cfg.crop_scale_min, 1.0),
                              hflip=0.5 if cfg.horizontal_flip else 0.0, per_sample=policy)

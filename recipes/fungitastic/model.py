@@ -44,30 +44,36 @@ class TaxonomyClassifier(nn.Module):
         return {level: head(features) for level, head in self.heads.items()}
 
 
-def size_kwargs(name: str, image_size: int) -> dict[str, int]:
-    """``{"img_size": image_size}`` for a timm model built for one input size (a ViT); ``{}`` for one
-    that takes any size (a convolutional network has no ``img_size`` argument)."""
-    return {"img_size": image_size} if _takes_img_size(name, image_size) else {}
+def size_kwargs(name: str, image_size: int, any_size: bool = False) -> dict[str, int | bool]:
+    """``{"img_size": image_size}`` for a timm model built for one input size (a ViT), with
+    ``dynamic_img_size`` too when ``any_size`` (``data.progressive``'s epochs) and the model has it;
+    ``{}`` for one that takes any size (a convolutional network has no ``img_size`` argument)."""
+    if not _takes(name, img_size=image_size):
+        return {}
+    if any_size and _takes(name, img_size=image_size, dynamic_img_size=True):
+        return {"img_size": image_size, "dynamic_img_size": True}
+    return {"img_size": image_size}
 
 
 @functools.cache
-def _takes_img_size(name: str, image_size: int) -> bool:
-    """Asked once per name and size: building even on the meta device initialises every tensor
-    (a tenth of a second for a tiny ViT, seconds for BEiT-B), and training, each split's evaluation
-    and the export ask again."""
+def _takes(name: str, **kwargs: int | bool) -> bool:
+    """Whether timm builds ``name`` with these arguments. Asked once per name and arguments: building even
+    on the meta device initialises every tensor (a tenth of a second for a tiny ViT, seconds for BEiT-B),
+    and training, each split's evaluation and the export ask again."""
     try:
         with torch.device("meta"):  # only the arguments are checked: no weights are made
-            timm.create_model(name, pretrained=False, num_classes=0, img_size=image_size)
+            timm.create_model(name, pretrained=False, num_classes=0, **kwargs)
     except TypeError:
         return False
     return True
 
 
-def create_backbone(cfg: ModelConfig, image_size: int) -> nn.Module:
-    """``cfg.name`` without its classifier, built for ``image_size`` inputs when it takes a size."""
+def create_backbone(cfg: ModelConfig, image_size: int, any_size: bool = False) -> nn.Module:
+    """``cfg.name`` without its classifier, built for ``image_size`` inputs when it takes a size (and for
+    any size when ``any_size`` and it can be)."""
     try:
         return timm.create_model(cfg.name, pretrained=False, num_classes=0, drop_path_rate=cfg.drop_path_rate,
-                                 **size_kwargs(cfg.name, image_size))
+                                 **size_kwargs(cfg.name, image_size, any_size))
     except (RuntimeError, ValueError) as error:  # timm's "Unknown model" is a RuntimeError
         raise UserError(f"model.name={cfg.name!r}: {error}") from error
 
@@ -118,7 +124,7 @@ def input_normalization(cfg: ModelConfig, image_size: int) -> tuple[tuple[float,
 @functools.cache
 def _architecture_normalization(name: str, image_size: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The mean and std of ``name``'s own pretrained config, from a model on the meta device, once per
-    name and size (see :func:`_takes_img_size`)."""
+    name and size (see :func:`_takes`)."""
     with torch.device("meta"):
         pretrained_cfg = create_backbone(ModelConfig(name=name, pretrained=""), image_size).pretrained_cfg
     return tuple(pretrained_cfg["mean"]), tuple(pretrained_cfg["std"])
@@ -148,13 +154,14 @@ def load_pretrained(model: TaxonomyClassifier, source: str) -> str:
 
 
 def build_model(cfg: ModelConfig, num_classes: dict[str, int], levels: list[str], image_size: int,
-                pretrained: bool = True) -> TaxonomyClassifier:
+                pretrained: bool = True, any_size: bool = False) -> TaxonomyClassifier:
     """The classifier, with the weights of ``cfg.pretrained`` when ``pretrained`` (what was loaded is
-    in its ``pretrained_parts``; a checkpoint or an export brings the weights otherwise)."""
+    in its ``pretrained_parts``; a checkpoint or an export brings the weights otherwise); ``any_size``:
+    :func:`create_backbone`'s."""
     unknown = [level for level in levels if level not in num_classes]
     if unknown:
         raise UserError(f"data.levels has {unknown}; taxonomic_mappings.json has {sorted(num_classes)}")
-    model = TaxonomyClassifier(create_backbone(cfg, image_size), num_classes, levels, cfg.head_dropout)
+    model = TaxonomyClassifier(create_backbone(cfg, image_size, any_size), num_classes, levels, cfg.head_dropout)
     if pretrained and cfg.pretrained:
         model.pretrained_parts = load_pretrained(model, cfg.pretrained)
     return model

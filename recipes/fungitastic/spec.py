@@ -50,7 +50,8 @@ def model_as_trained(cfg: FungiTasticConfig, dist_info: DistInfo, pretrained: bo
     sharded with FSDP2 (each backbone block a unit) under ``fsdp.enabled``."""
     check_fsdp_settings(cfg.fsdp.enabled, cfg.fsdp.cpu_offload, dist_info.device, cfg.trainer.precision)
     num_classes = class_counts(cfg, metadata.load_mappings(cfg.data.prepared_dir, cfg.data.subset))
-    model = build_model(cfg.model, num_classes, list(cfg.data.levels), cfg.data.image_size, pretrained)
+    model = build_model(cfg.model, num_classes, list(cfg.data.levels), cfg.data.image_size, pretrained,
+                        any_size=cfg.data.progressive.start_size > 0)  # each epoch's size
     checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, cfg.model.name)
     # FSDP2 shards contiguous tensors only: under it the weights keep PyTorch's layout (the inputs are still
     # channels-last with trainer.channels_last, and the convolutions compute in that layout).

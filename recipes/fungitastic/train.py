@@ -19,7 +19,8 @@ import torch
 from common.data.decode_choice import choose_train_decode
 from common.data.device_input import DeviceTrainInput
 from common.data.images import TrainImages, collate_train
-from common.data.loaders import PerSampleSeeded, make_train_loader
+from common.data.loaders import make_train_loader
+from common.data.progressive import ImageSizes, ProgressiveImages, check_takes_any_size
 from common.data.sampler import ResumableDistributedSampler
 from common.entry import exit_process, recipe_main
 from common.errors import UserError
@@ -68,8 +69,11 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     criterion = MultiTaskLoss(levels, dict(cfg.loss.level_weights), class_weights, cfg.optim.label_smoothing)
     startup.done(startup.DATA)
 
-    # ---- model ---------------------------------------------------------------------------------
+    # ---- model: a ViT built to take each epoch's size under data.progressive -----------------
+    sizes = ImageSizes.from_config(cfg.data.progressive, cfg.data.image_size, cfg.trainer.epochs, "data.image_size")
     model = model_as_trained(cfg, dist_info)
+    check_takes_any_size(model, sizes, f"model.name={cfg.model.name} has no dynamic_img_size: choose a model that "
+                                       f"has (a timm ViT) or takes any size (a convolutional network)")
     ddp_model = model if cfg.fsdp.enabled else data_parallel(model, dist_info, cfg.trainer.out_of_memory.value)
     forward = compile_static(ddp_model) if cfg.trainer.compile and not cfg.fsdp.enabled else ddp_model
     if cfg.trainer.compile and cfg.fsdp.enabled:  # each block's forward; FSDP's hooks around it stay eager
@@ -101,14 +105,16 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     # ---- loaders: workers draw each sample's augmentation, seeded per (seed, epoch, index), and decode and
     # crop it (data.decode=cpu) or leave that to the device (gpu); normalised on the device. data.decode=auto
     # measures both sides at the micro-batch in use, or keeps the choice the resumed checkpoint holds
-    augmentation = train_augmentation(cfg.data)
+    augmentations = {size: train_augmentation(cfg.data, size) for size in sizes.distinct()}
+    augmentation = augmentations[sizes.end]
     decode = choose_train_decode(cfg.data.decode, cfg.trainer, augmentation, train_files.images,
                                  cfg.data.draft_decode, model, cfg.data.image_size, device, micro_batch=run.micro_batch,
                                  resumed=progress.decode)
     startup.done(startup.DECODE_CHOICE)
     progress.decode = decode.decode.value
-    train_images = PerSampleSeeded(TrainImages(train_files.images, augmentation, decode.decode, cfg.data.draft_decode),
-                                   cfg.seed)
+    train_images = ProgressiveImages({size: TrainImages(train_files.images, augmentations[size], decode.decode,
+                                                        cfg.data.draft_decode) for size in augmentations},
+                                     sizes, cfg.seed)
     # Own generator: creating an iterator must not draw from the global RNG that drop path uses.
     train_loader = make_train_loader(train_images, plan.epoch_batches(), cfg.trainer.num_workers, device.type == "cuda",
                                      collate_fn=collate_train, generator=torch.Generator())
@@ -128,7 +134,8 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     run.console(
         f"fungitastic: {cfg.model.name} with heads {', '.join(f'{r} ({num_classes[r]})' for r in levels)} on "
         f"{dist_info.world_size} rank(s) on {device.type}{' with FSDP2' if cfg.fsdp.enabled else ''}, "
-        f"{plan.describe()}, lr {lr:g}, {plan.total} steps; images decoded on {decode.decode.value} by "
+        f"{plan.describe()}, lr {lr:g}, {plan.total} steps; {cfg.data.image_size}px images{sizes.describe()} "
+        f"decoded on {decode.decode.value} by "
         f"{train_loader.num_workers} loader workers per rank ({decode.reason})"
     )
 
@@ -175,6 +182,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
                     sums = train_sums.reduce()
                     train_sums.reset()
                     metrics = {"train/loss": ratio(sums, "loss", "count"), "train/lr": scheduler.get_last_lr()[0]}
+                    metrics |= sizes.logged(progress.epoch)
                     metrics |= {f"train/{level}/top1": ratio(sums, f"top1_{level}", f"count_{level}")
                                 for level in levels}
                     run.log_train(metrics)

@@ -21,6 +21,7 @@ from common.config import (
     LRScaling,
     MixupConfig,
     Precision,
+    ProgressiveConfig,
     RunConfig,
     ShardsConfig,
     TrainerConfig,
@@ -42,6 +43,7 @@ class DataConfig:
     # Resolutions: 0 / "" / 0.0 take the model's own default (timm's resolve_data_config).
     train_size: int = 224
     eval_size: int = 224
+    progressive: ProgressiveConfig = field(default_factory=ProgressiveConfig)  # train_size grown to from start_size
     eval_crop_pct: float = 0.875  # eval resizes to eval_size / crop_pct, then centre-crops eval_size
     interpolation: str = "bilinear"  # bilinear | bicubic | random
     # Training augmentation (timm's create_transform).

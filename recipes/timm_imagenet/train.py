@@ -31,7 +31,8 @@ from common.config import DataFormat
 from common.data.decode_choice import choose_train_decode
 from common.data.device_input import DeviceTrainInput
 from common.data.images import TrainImages, collate_train
-from common.data.loaders import PerSampleSeeded, make_train_loader
+from common.data.loaders import make_train_loader
+from common.data.progressive import ImageSizes, ProgressiveImages, check_takes_any_size
 from common.data.sampler import ResumableDistributedSampler
 from common.data.staging import stage_directory
 from common.entry import exit_process, recipe_main
@@ -105,7 +106,13 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     model = model_as_trained(staged, dist_info)
     train_config = resolve(model, cfg.data.train_size, 0.0, cfg.data.interpolation)
     eval_config = resolve(model, cfg.data.eval_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
-    augmentation = train_augmentation(cfg.data, train_config)
+    # data.progressive: each epoch's size (the last one's train_size), and an augmentation built for each size
+    sizes = ImageSizes.from_config(cfg.data.progressive, train_config["input_size"][-1], cfg.trainer.epochs,
+                                   "data.train_size")
+    check_takes_any_size(model, sizes, "build it for any size (+model.kwargs.dynamic_img_size=true for a timm ViT)")
+    augmentations = {size: train_augmentation(cfg.data, train_config | {"input_size": (3, size, size)})
+                     for size in sizes.distinct()}
+    augmentation = augmentations[sizes.end]
     if cfg.ema.enabled and cfg.fsdp.enabled:
         raise UserError("ema.enabled keeps a whole copy of the weights on every rank, which fsdp.enabled shards: "
                         "turn one of them off")
@@ -167,14 +174,17 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
                                  resumed=progress.decode)
     startup.done(startup.DECODE_CHOICE)
     progress.decode = decode.decode.value
-    train_images = TrainImages(train_source, augmentation, decode.decode, cfg.data.draft_decode)
-    train_loader = make_train_loader(PerSampleSeeded(train_images, cfg.seed), plan.epoch_batches(),
-                                     cfg.trainer.num_workers, device.type == "cuda", collate_fn=collate_train)
+    train_images = ProgressiveImages({size: TrainImages(train_source, augmentations[size], decode.decode,
+                                                        cfg.data.draft_decode) for size in augmentations},
+                                     sizes, cfg.seed)
+    train_loader = make_train_loader(train_images, plan.epoch_batches(), cfg.trainer.num_workers,
+                                     device.type == "cuda", collate_fn=collate_train)
     train_input = DeviceTrainInput(augmentation, decode.decode, train_config["mean"], train_config["std"], device,
                                    random_erasing(cfg.data, device), channels_last=cfg.trainer.channels_last)
     run.console(
         f"timm_imagenet: {cfg.model.name}, {num_classes} classes, train: {train_origin}\n"
-        f"  train {describe_input(train_config, with_crop=False)} decoded on {decode.decode.value}, eval "
+        f"  train {describe_input(train_config, with_crop=False)}{sizes.describe()} decoded on {decode.decode.value}, "
+        f"eval "
         f"{describe_input(eval_config, with_crop=True)}, {train_loader.num_workers} loader workers per rank\n"
         f"  {decode.reason}\n"
         f"  {dist_info.world_size} rank(s) on {device.type}{' with FSDP2' if cfg.fsdp.enabled else ''}, "
@@ -225,7 +235,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
                     train_sums.reset()
                     run.log_train({"train/loss": ratio(sums, "loss", "count"),
                                    "train/top1": ratio(sums, "top1", "count"),
-                                   "train/lr": optimizer.param_groups[0]["lr"]})
+                                   "train/lr": optimizer.param_groups[0]["lr"]} | sizes.logged(progress.epoch))
         run.end_epoch(run_eval)  # evaluate when due (eval_every_epochs/_steps), checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------
