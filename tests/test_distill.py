@@ -80,6 +80,17 @@ def test_alpha_one_moves_the_students_outputs_towards_the_teachers(tmp_path_fact
     assert after < 0.5 * divergence(start.run.model, teacher, batch)
 
 
+def test_the_teachers_forward_is_left_out_of_the_flops_behind_mfu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``train/mfu`` is the student's: the FLOPs counted on the first step are those of a run without a
+    teacher (the soft-target loss has no matrix products), though the teacher's forward ran inside it."""
+    recipe = "cifar100_resnet50"
+    made = configs(recipe, tmp_path_factory)
+    plain = probe(recipe, made(*SHORT), steps=1)
+    distilling = probe(recipe, made(*SHORT, f"distill.teacher={saved_checkpoints(recipe, made, 'seed=1')}"), steps=1)
+    assert distilling.error is None
+    assert distilling.run.progress.flops_per_sample == plain.run.progress.flops_per_sample > 0
+
+
 def test_a_teacher_and_its_export_are_the_same_teacher(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Read from the run or from ``make export``'s folder alone: the same weights (the EMA), the same digest."""
     run = trained_runs.cifar_run(tmp_path_factory)
