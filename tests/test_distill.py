@@ -59,11 +59,14 @@ def confident_teacher(factory: pytest.TempPathFactory) -> Path:
     from a fresh student's, which a few steps of distillation must bring it towards."""
     from safetensors.torch import load_file, save_file
 
-    export = export_run(open_run(trained_runs.cifar_run(factory)), factory.mktemp("confident") / "export")
-    weights = load_file(str(export / "model.safetensors"))
-    weights["fc.weight"], weights["fc.bias"] = weights["fc.weight"] * 10, weights["fc.bias"] * 10
-    save_file(weights, str(export / "model.safetensors"), metadata={"format": "pt"})
-    return export
+    def make(folder: Path) -> Path:
+        export = export_run(open_run(trained_runs.cifar_run(factory)), folder / "export")
+        weights = load_file(str(export / "model.safetensors"))
+        weights["fc.weight"], weights["fc.bias"] = weights["fc.weight"] * 10, weights["fc.bias"] * 10
+        save_file(weights, str(export / "model.safetensors"), metadata={"format": "pt"})
+        return export
+
+    return trained_runs.shared_run("confident_cifar_teacher", factory, make)
 
 
 def test_alpha_one_moves_the_students_outputs_towards_the_teachers(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -78,6 +81,25 @@ def test_alpha_one_moves_the_students_outputs_towards_the_teachers(tmp_path_fact
     after = divergence(taught.run.model, teacher, batch)
     assert after < 0.5 * divergence(untaught.run.model, teacher, batch)
     assert after < 0.5 * divergence(start.run.model, teacher, batch)
+
+
+def test_the_loss_is_the_recipes_and_the_soft_target_loss_mixed_by_alpha(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The first step's loss with alpha 0.5 and T 2 is half the cross-entropy of a run without distillation
+    and half T^2 KL(teacher || student) of the fresh student on the same batch (Mixup off)."""
+    recipe, teacher_source = "cifar100_resnet50", confident_teacher(tmp_path_factory)
+    made = configs(recipe, tmp_path_factory)
+    settings = (*SHORT, f"distill.teacher={teacher_source}", "distill.temperature=2")
+    fresh = probe(recipe, made(*settings))  # the student before its first step
+    labels_only = probe(recipe, made(*settings, "distill.alpha=0"), steps=1)
+    mixed = probe(recipe, made(*settings, "distill.alpha=0.5"), steps=1)
+    batch = mixed.inputs[0]
+    assert torch.equal(batch, labels_only.inputs[0]) and len(mixed.inputs) == 1
+    teacher = load_teacher(mixed.cfg, torch.device("cpu")).model
+    with torch.no_grad():
+        soft = float(soft_target_loss(fresh.run.model(batch), teacher(batch), 2.0)) * len(batch)
+    assert mixed.losses[0] == pytest.approx(0.5 * labels_only.losses[0] + 0.5 * soft, rel=1e-5)
+    assert soft > 0.1 * labels_only.losses[0]  # a term large enough to tell the mix apart
 
 
 def test_the_teachers_forward_is_left_out_of_the_flops_behind_mfu(tmp_path_factory: pytest.TempPathFactory) -> None:

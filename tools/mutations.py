@@ -905,7 +905,7 @@ MUTATIONS: list[Mutation] = [
         "distill-alpha-does-not-mix", "common/after_training/distill.py",
         "    return (1 - distill.alpha) * loss + distill.alpha * soft",
         "    return loss + distill.alpha * soft",
-        ("tests/test_distill.py::test_alpha_one_moves_the_students_outputs_towards_the_teachers",),
+        ("tests/test_distill.py::test_the_loss_is_the_recipes_and_the_soft_target_loss_mixed_by_alpha",),
         "distill.alpha=1 still trains on the labels: the student does not learn the teacher's outputs",
     ),
     Mutation(
