@@ -4,13 +4,15 @@ as teachers: what it changes and what it must leave alone."""
 
 from __future__ import annotations
 
+import importlib
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from common.after_training.distill import load_teacher, soft_target_loss
+from common.after_training.distill import distilled, load_teacher, soft_target_loss
 from common.after_training.export import export_run
 from common.after_training.trained import open_run
 from tests import trained_runs
@@ -100,6 +102,31 @@ def test_the_loss_is_the_recipes_and_the_soft_target_loss_mixed_by_alpha(
         soft = float(soft_target_loss(fresh.run.model(batch), teacher(batch), 2.0)) * len(batch)
     assert mixed.losses[0] == pytest.approx(0.5 * labels_only.losses[0] + 0.5 * soft, rel=1e-5)
     assert soft > 0.1 * labels_only.losses[0]  # a term large enough to tell the mix apart
+
+
+@pytest.mark.parametrize("recipe", sorted(TEACHERS))
+def test_the_teacher_sees_the_students_batch_after_mixup(recipe: str, tmp_path_factory: pytest.TempPathFactory,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the teacher's outputs were computed from is the student's input as its forward received it
+    (augmented, mixed where the recipe mixes, normalised, in its memory format)."""
+    made = configs(recipe, tmp_path_factory)
+    teacher_source = saved_checkpoints(recipe, made, "seed=1")
+    train = importlib.import_module(f"recipes.{recipe}.train")
+    taught: list[Any] = []
+
+    def recording(loss: torch.Tensor, student: Any, teacher: Any, *args: Any) -> torch.Tensor:
+        taught.append(teacher)
+        return distilled(loss, student, teacher, *args)
+
+    monkeypatch.setattr(train, "distilled", recording)
+    mixing = ("mixup.mixup_alpha=0.8",) if recipe != "fungitastic" else ()
+    seen = probe(recipe, made(*SHORT, *mixing, f"distill.teacher={teacher_source}"), steps=1)
+    assert seen.error is None and len(taught) == len(seen.inputs) == 1
+    with torch.no_grad():
+        expected = seen.run.teacher.model(seen.inputs[0])
+    for name, outputs in (expected.items() if isinstance(expected, dict) else [("", expected)]):
+        got = taught[0][name] if name else taught[0]
+        torch.testing.assert_close(got, outputs, rtol=1e-5, atol=1e-6)
 
 
 def test_the_teachers_forward_is_left_out_of_the_flops_behind_mfu(tmp_path_factory: pytest.TempPathFactory) -> None:

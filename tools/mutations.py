@@ -940,4 +940,11 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_distill.py::test_a_teacher_and_its_export_are_the_same_teacher",),
         "the teacher's BatchNorm and dropout behave as in training: its targets are noisy and its statistics drift",
     ),
+    Mutation(
+        "teacher-sees-the-batch-before-mixup", "recipes/timm_imagenet/train.py",
+        "                        teacher_logits = teacher.model(images)",
+        "                        teacher_logits = teacher.model(train_input(inputs))",
+        ("tests/test_distill.py::test_the_teacher_sees_the_students_batch_after_mixup[timm_imagenet]",),
+        "the teacher predicts unmixed images while the student is trained on mixed ones: its targets are wrong",
+    ),
 ]
