@@ -181,6 +181,20 @@ def test_a_teacher_of_other_classes_or_another_input_is_a_one_line_error_at_the_
     assert seen.run is None  # before any work: no run was made
 
 
+@pytest.mark.parametrize(("change", "expected"), [
+    (("distill.alpha=1.5",), "distill.alpha=1.5 must be between 0"),
+    (("distill.temperature=0",), "distill.temperature=0.0 must be above 0"),
+    ((), "distill.teacher={missing}: {missing} does not exist"),
+])
+def test_bad_distill_settings_are_one_line_errors(change: tuple[str, ...], expected: str, tmp_path: Path,
+                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    missing = tmp_path / "missing"
+    seen = probe("cifar100_resnet50", configs("cifar100_resnet50", tmp_path_factory)(*change,
+                                                                                       f"distill.teacher={missing}"))
+    assert seen.error is not None and "\n" not in seen.error
+    assert seen.error.startswith(expected.format(missing=missing)), seen.error
+
+
 def test_a_resume_checks_the_teacher_is_the_one_the_run_began_with(tmp_path_factory: pytest.TempPathFactory) -> None:
     recipe = "cifar100_resnet50"
     made = configs(recipe, tmp_path_factory)
