@@ -193,6 +193,19 @@ class MixupConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Knowledge distillation from a trained model (``common/after_training/distill.py``; docs/after-training.md).
+
+    - The loss is ``(1 - alpha) * <the recipe's loss> + alpha * T^2 * KL(teacher || student)`` of the
+      temperature-softened outputs, as DeiT's soft distillation and Hinton et al.
+    """
+
+    teacher: str = ""  # a run directory, checkpoint folder or checkpoint, or a `make export` folder; "" = off
+    alpha: float = 0.5  # the soft-target term's share of the loss: 0 = the recipe's loss alone, 1 = the teacher's
+    temperature: float = 1.0  # softens both distributions; the term is scaled by its square
+
+
+@dataclass
 class FSDPSettings:
     """How FSDP2 shards a model (``common/pytorch/fsdp.py``), in every recipe that can shard it."""
 

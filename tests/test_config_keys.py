@@ -253,6 +253,7 @@ def check(observable: str, *change: str, context: tuple[str, ...] = (), default_
 
 MIXUP_ON = ("mixup.mixup_alpha=0.8",)
 EMA_ON = ("ema.enabled=true",)
+TEACHER = ("distill.teacher={init_source}",)
 CHANNELS_FIRST = ("trainer.channels_last=false",)
 PROFILED = ("profile.enabled=true", "profile.start_step=1", "profile.active_steps=1")
 SAME_RUN_DIR = ("run_dir={tmp}/same",)  # the folders that default to ${run_dir}/... then differ by their key alone
@@ -339,6 +340,10 @@ CHECKS: dict[str, Check] = {
     "mixup.switch_prob": check("first batch", "mixup.switch_prob=1.0",
                                context=(*MIXUP_ON, "mixup.cutmix_alpha=1.0", "mixup.switch_prob=0.0")),
     "mixup.mode": check("first batch", "mixup.mode=elem", context=MIXUP_ON),
+    # distill.*, where a recipe has them: the teacher is a checkpoint of the recipe's model from another seed
+    "distill.teacher": check("first loss", "distill.teacher={init_source}"),
+    "distill.alpha": check("first loss", "distill.alpha=1.0", context=TEACHER),
+    "distill.temperature": check("first loss", "distill.temperature=4.0", context=TEACHER),
     # optim.* keys most recipes share
     "optim.lr": check("lr schedule", "optim.lr=0.5"),
     "optim.weight_decay": check("optimizer", "optim.weight_decay=0.3"),

@@ -1014,4 +1014,51 @@ MUTATIONS: list[Mutation] = [
         (f"{PROGRESSIVE}test_fungitastic_builds_its_vit_for_any_size_and_trains_each_epoch_at_its_size",),
         "a ViT whose patches do not tile an epoch's size fails at that epoch's first step with a traceback",
     ),
+    # issue 45, item 3: knowledge distillation (common/after_training/distill.py)
+    Mutation(
+        "distill-alpha-does-not-mix", "common/after_training/distill.py",
+        "    return (1 - distill.alpha) * loss + distill.alpha * soft",
+        "    return loss + distill.alpha * soft",
+        ("tests/test_distill.py::test_the_loss_is_the_recipes_and_the_soft_target_loss_mixed_by_alpha",),
+        "distill.alpha=1 still trains on the labels: the student does not learn the teacher's outputs",
+    ),
+    Mutation(
+        "teacher-counted-in-mfu", "common/records/telemetry.py",
+        "        return float(self._counter.get_total_flops() - self._excluded)",
+        "        return float(self._counter.get_total_flops())",
+        ("tests/test_distill.py::test_the_teachers_forward_is_left_out_of_the_flops_behind_mfu",),
+        "train/mfu counts the teacher's forward as the model's work and overstates the student's utilisation",
+    ),
+    Mutation(
+        "teacher-not-checked-on-resume", "common/run/training_run.py",
+        "            check_resumed(self.progress.teacher, self.teacher)\n", "",
+        ("tests/test_distill.py::test_a_resume_checks_the_teacher_is_the_one_the_run_began_with",),
+        "a resumed run silently distils from another teacher than the one it began with",
+    ),
+    Mutation(
+        "teacher-not-recorded", "common/run/training_run.py",
+        "            self.progress.teacher = self.teacher.record() if self.teacher is not None else {}\n", "",
+        ("tests/test_distill.py::test_a_resume_checks_the_teacher_is_the_one_the_run_began_with",),
+        "a run's checkpoints do not say which teacher it distils from, so a resume cannot check it",
+    ),
+    Mutation(
+        "teacher-classes-by-count", "common/after_training/distill.py",
+        "        if theirs[name] != ours[name]:", "        if len(theirs[name]) != len(ours[name]):",
+        ("tests/test_distill.py::test_a_teacher_of_other_classes_or_another_input_is_a_one_line_error_at_the_start",),
+        "a teacher of other classes (as many) teaches the wrong class for each output",
+    ),
+    Mutation(
+        "teacher-in-training-mode", "common/after_training/distill.py",
+        "    model = on_device(model.eval(), device, cfg.trainer.channels_last)",
+        "    model = on_device(model, device, cfg.trainer.channels_last)",
+        ("tests/test_distill.py::test_a_teacher_and_its_export_are_the_same_teacher",),
+        "the teacher's BatchNorm and dropout behave as in training: its targets are noisy and its statistics drift",
+    ),
+    Mutation(
+        "teacher-sees-the-batch-before-mixup", "recipes/timm_imagenet/train.py",
+        "                        teacher_logits = teacher.model(images)",
+        "                        teacher_logits = teacher.model(train_input(inputs))",
+        ("tests/test_distill.py::test_the_teacher_sees_the_students_batch_after_mixup[timm_imagenet]",),
+        "the teacher predicts unmixed images while the student is trained on mixed ones: its targets are wrong",
+    ),
 ]

@@ -22,6 +22,8 @@ class Progress:
     evals_without_improvement: int = 0
     stopped_early: bool = False
     init_from: str = ""  # the weights the run started from (init_from=), kept when it resumes: for the summary
+    # distill.teacher: its source and the digest of its weights when the run began; a resume must find the same
+    teacher: dict[str, str] = field(default_factory=dict)
     rollbacks: list[dict[str, Any]] = field(default_factory=list)  # trainer.nonfinite=rollback: one record each
     pruned: dict[str, Any] | None = None  # a search's pruner stopped this trial: {"step", "epoch", "metric", "value"}
     # train/mfu: the model's FLOPs per sample in a training step, counted on the run's first step (again

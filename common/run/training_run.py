@@ -19,6 +19,7 @@ A recipe hands :class:`TrainingRun` its config and what a checkpoint holds, and 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from common.after_training.distill import Teacher, check_resumed
 from common.checkpoint.layout import is_artifact_path
 from common.checkpoint.manager import KEEP_ALL, CheckpointManager, LoadedCheckpoint
 from common.config import config_record
@@ -61,6 +63,8 @@ class TrainingRun:
     - ``sampler``, ``train_sums``, ``optimizer``, ``scheduler``, ``scaler``: the step's state a
       checkpoint holds; a fresh optimizer mid-run (dinov2's stage switch): :meth:`track_optimizer`.
     - ``extra_state``: more objects with ``state_dict`` (an EMA), checkpointed; ``<name>_digest`` in the summary.
+    - ``teacher``: ``distill.teacher``'s model (:func:`~common.after_training.distill.load_teacher`), not
+      checkpointed: its source and digest are recorded when the run begins and checked when it resumes.
     - ``sharded``: model and optimizer through ``torch.distributed.checkpoint`` (FSDP2; resumes on
       another number of ranks).
     - ``milestones``: epoch -> reason; the checkpoint of that epoch's end is kept for good (``_force``).
@@ -72,7 +76,8 @@ class TrainingRun:
                  sampler: ResumableDistributedSampler, train_sums: SumMetrics,
                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
                  scaler: torch.amp.GradScaler | None = None, extra_state: dict[str, Any] | None = None,
-                 sharded: bool = False, milestones: dict[int, str] | None = None) -> None:
+                 sharded: bool = False, milestones: dict[int, str] | None = None,
+                 teacher: Teacher | None = None) -> None:
         checkpoint = cfg.checkpoint
         self.checkpoints = CheckpointManager(
             checkpoint.dir,
@@ -91,6 +96,7 @@ class TrainingRun:
         self.search_trial = SearchTrial.from_environment()
         self.model, self.sampler, self.train_sums, self.scaler = model, sampler, train_sums, scaler
         self.extra_state = dict(extra_state or {})
+        self.teacher = teacher
         self.sharded = sharded
         self.milestones = dict(milestones or {})
         self._progress = Progress()
@@ -157,6 +163,7 @@ class TrainingRun:
         init_from = self.cfg.init_from
         if self.loaded is None:
             self.sampler.set_epoch(0)
+            self.progress.teacher = self.teacher.record() if self.teacher is not None else {}
             if init_from:
                 initialized = self._initialize_from(init_from)
                 self.progress.init_from = init_from
@@ -166,6 +173,7 @@ class TrainingRun:
             except (ValueError, KeyError, RuntimeError) as error:
                 raise UserError(f"the checkpoint {self.loaded.path} does not fit this run's config: "
                                 f"{str(error).splitlines()[0]}") from error
+            check_resumed(self.progress.teacher, self.teacher)
         if not self.training_done():
             self.progress.finished = False  # a finished run restarted with more epochs or steps goes on
         self.logger = RunLogger.from_config(self.cfg, self.dist_info.is_main, self.progress.step)
@@ -178,6 +186,8 @@ class TrainingRun:
                 self.console(f"init_from={init_from} ignored: the run resumed from its own checkpoint")
         if initialized is not None:
             self.console(f"initialized from {initialized}")
+        if self.teacher is not None:
+            self.console(f"distilling from {self.teacher.description}")
         self._record_provenance()
         self.profiler = StepProfiler(self.cfg.profile, self.run_dir, self.dist_info, self.console)
         self._clock = time.monotonic()
@@ -341,6 +351,16 @@ class TrainingRun:
         if to_device is not None:
             batches = copied_ahead(batches, to_device, self.dist_info.device)
         return self.telemetry.batches(batches)
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Work in a step that is not the model's own (a distillation teacher's forward): left out of the
+        FLOPs behind ``train/mfu``, still inside the step's time (``train/step_s``)."""
+        if self._flop_count is None:
+            yield
+        else:
+            with self._flop_count.excluded():
+                yield
 
     def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
         """The step's gradient norm before clipping, the gradients clipped to ``trainer.grad_clip_norm``.
@@ -526,6 +546,8 @@ class TrainingRun:
                 summary[f"{name}_digest"] = state_digest(obj.state_dict())
             if self.progress.init_from:
                 summary["init_from"] = self.progress.init_from
+            if self.progress.teacher:
+                summary["distill_teacher"] = self.progress.teacher
             if self.progress.rollbacks:
                 summary["rollbacks"] = self.progress.rollbacks
             summary["micro_batch_size"] = self.micro_batch

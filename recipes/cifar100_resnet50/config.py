@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from common.config import CheckpointConfig, EmaConfig, MixupConfig, Precision, RunConfig, TrainerConfig
+from common.config import CheckpointConfig, DistillConfig, EmaConfig, MixupConfig, Precision, RunConfig, TrainerConfig
 
 
 class AutoAugment(str, Enum):
@@ -67,6 +67,7 @@ class Cifar100ResNet50Config(RunConfig):
     mixup: MixupConfig = field(default_factory=MixupConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # off unless distill.teacher is set
     optim: OptimConfig = field(default_factory=OptimConfig)
     # On a CPU, trainer.precision=fp32 is usually faster than bf16.
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from timm.utils import ModelEmaV3
 
+from common.after_training.distill import distilled, load_teacher
 from common.data import cifar100
 from common.data.image_batches import Normalize
 from common.data.sampler import ResumableDistributedSampler
@@ -70,13 +71,14 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
     else:
         scheduler = warmup_cosine(optimizer, warmup_steps, plan.total, cfg.optim.min_lr_ratio)
     scaler = grad_scaler(device, cfg.trainer.precision)
+    teacher = load_teacher(cfg, device)  # distill.teacher: frozen, in eval mode; None without one
     train_sums = SumMetrics(device)
     startup.done(startup.MODEL)
 
     # ---- the run contract: resume, checkpoints, pre-emption, summary (common/run/training_run.py) ---------
     run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
                       scaler=scaler, sampler=sampler, train_sums=train_sums,
-                      extra_state={"ema": ema.module} if ema is not None else None)
+                      extra_state={"ema": ema.module} if ema is not None else None, teacher=teacher)
     progress = run.resume()
     run.console(f"cifar100_resnet50: {cfg.model.name} on {dist_info.world_size} rank(s) on {device.type}, "
                 f"{plan.describe()}, lr {lr:g}, {cfg.optim.sched.value} schedule, {plan.total} steps")
@@ -101,6 +103,10 @@ def train(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> None:
                 logits = forward(x)
                 smoothing = 0.0 if augmentation.soft_targets else cfg.optim.label_smoothing
                 loss = F.cross_entropy(logits.float(), targets, label_smoothing=smoothing)
+                if teacher is not None:  # the same batch, after Mixup; its FLOPs are not the model's (train/mfu)
+                    with torch.no_grad(), run.uncounted():
+                        teacher_logits = teacher.model(x)
+                    loss = distilled(loss, logits, teacher_logits, cfg.distill)
             scaler.scale(loss * share).backward()
         train_sums.add(loss=loss.detach() * len(batch), top1=(logits.argmax(1) == y).sum(), count=len(batch))
 

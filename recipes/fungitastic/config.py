@@ -15,6 +15,7 @@ from common.config import (
     CheckpointConfig,
     DataFormat,
     Decode,
+    DistillConfig,
     FSDPConfig,
     Precision,
     ProgressiveConfig,
@@ -88,6 +89,7 @@ class FungiTasticConfig(RunConfig):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # off unless distill.teacher is set
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # off: DDP across ranks
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(epochs=30, batch_size=64, eval_batch_size=128,

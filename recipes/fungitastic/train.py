@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from common.after_training.distill import distilled, load_teacher
 from common.data.decode_choice import choose_train_decode
 from common.data.device_input import DeviceTrainInput
 from common.data.images import TrainImages, collate_train
@@ -92,6 +93,7 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     scheduler = warmup_cosine(optimizer, round(cfg.optim.warmup_epochs * plan.per_epoch), plan.total,
                               cfg.optim.min_lr_ratio)
     scaler = grad_scaler(device, cfg.trainer.precision)
+    teacher = load_teacher(cfg, device)  # distill.teacher: frozen, in eval mode; None without one
     train_sums = SumMetrics(device)
     startup.done(startup.MODEL)
 
@@ -99,7 +101,8 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
     # Under fsdp.enabled the model and optimizer state are saved as each rank's shards
     # (torch.distributed.checkpoint), so a run resumes on another number of ranks.
     run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
-                      scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled)
+                      scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled,
+                      teacher=teacher)
     progress = run.resume()
 
     # ---- loaders: workers draw each sample's augmentation, seeded per (seed, epoch, index), and decode and
@@ -159,6 +162,10 @@ def train(cfg: FungiTasticConfig, dist_info: DistInfo) -> None:
             with autocast(device, cfg.trainer.precision):
                 outputs = forward(x)
                 loss = criterion(outputs, labels)
+                if teacher is not None:  # the same batch; each level head it shares, weighed as the loss weighs it
+                    with torch.no_grad(), run.uncounted():
+                        teacher_outputs = teacher.model(x)
+                    loss = distilled(loss, outputs, teacher_outputs, cfg.distill, criterion.level_weights)
             scaler.scale(loss * share).backward()
         hits = {f"top1_{level}": (outputs[level].argmax(1) == labels[:, column]).sum()
                 for column, level in enumerate(levels)}

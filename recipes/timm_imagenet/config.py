@@ -16,6 +16,7 @@ from common.config import (
     CheckpointConfig,
     DataFormat,
     Decode,
+    DistillConfig,
     EmaConfig,
     FSDPConfig,
     LRScaling,
@@ -108,6 +109,7 @@ class TimmImageNetConfig(RunConfig):
     mixup: MixupConfig = field(default_factory=MixupConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # off unless distill.teacher is set
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)  # off: DDP across ranks
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(

@@ -27,6 +27,7 @@ from timm.optim import create_optimizer_v2, list_optimizers
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 
+from common.after_training.distill import distilled, load_teacher
 from common.config import DataFormat
 from common.data.decode_choice import choose_train_decode
 from common.data.device_input import DeviceTrainInput
@@ -155,6 +156,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
                   switch_prob=cfg.mixup.switch_prob, mode=cfg.mixup.mode, label_smoothing=cfg.optim.label_smoothing,
                   num_classes=num_classes) if mixing else None
     criterion = make_criterion(cfg, mixing)
+    teacher = load_teacher(staged, device)  # distill.teacher: frozen, in eval mode; None without one
     scaler = grad_scaler(device, cfg.trainer.precision)
     train_sums = SumMetrics(device)
     startup.done(startup.MODEL)
@@ -164,7 +166,7 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
     # (torch.distributed.checkpoint), so a run resumes on another number of ranks.
     run = TrainingRun(cfg, dist_info, plan, model=model, optimizer=optimizer, scheduler=scheduler,
                       scaler=scaler, sampler=sampler, train_sums=train_sums, sharded=cfg.fsdp.enabled,
-                      extra_state={"ema": ema.module} if ema is not None else None)
+                      extra_state={"ema": ema.module} if ema is not None else None, teacher=teacher)
     progress = run.resume()
 
     # ---- the input pipeline: decoded in the loader workers or on the device. data.decode=auto measures both
@@ -210,6 +212,10 @@ def train(cfg: TimmImageNetConfig, dist_info: DistInfo) -> None:
             with autocast(device, cfg.trainer.precision):
                 logits = forward(images)
                 loss = criterion(logits, targets)
+                if teacher is not None:  # the same batch, after Mixup; its FLOPs are not the model's (train/mfu)
+                    with torch.no_grad(), run.uncounted():
+                        teacher_logits = teacher.model(images)
+                    loss = distilled(loss, logits, teacher_logits, cfg.distill)
             scaler.scale(loss * share).backward()
         train_sums.add(loss=loss.detach() * len(labels), top1=(logits.argmax(1) == labels).sum(), count=len(labels))
 
