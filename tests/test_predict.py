@@ -6,6 +6,7 @@ taxonomic level; tv_segmentation writes palette masks and their classes' pixel s
 from __future__ import annotations
 
 import csv
+import json
 import struct
 import subprocess
 import zlib
@@ -138,6 +139,19 @@ def test_an_export_folder_alone_predicts_what_its_run_predicts(tmp_path_factory:
         from_export = list(csv.DictReader(file))
     assert [row["path"] for row in from_export] == [str(tmp_path / "pngs" / path.name) for path in images]
     assert from_export == from_run
+
+
+def test_an_export_older_than_predict_is_refused_in_one_line(tmp_path_factory: pytest.TempPathFactory,
+                                                              tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    export = export_run(open_run(timm_run(tmp_path_factory)), tmp_path / "export")
+    metadata = json.loads((export / "metadata.json").read_text())
+    del metadata["input"]["crop_mode"]  # what an export written before make predict lacks
+    (export / "metadata.json").write_text(json.dumps(metadata))
+    image = sorted((imagenet_data(tmp_path_factory) / "val").rglob("*.JPEG"))[0]
+    with pytest.raises(SystemExit) as stop:
+        predict_here(export, image, tmp_path / "out")
+    assert stop.value.code == 2
+    assert f"the metadata of {export} has no 'crop_mode'" in capsys.readouterr().err
 
 
 def png_header_only(path: Path, width: int, height: int) -> Path:

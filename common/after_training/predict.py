@@ -23,7 +23,7 @@ import contextlib
 import csv
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from common.after_training.export import is_export, load_export
 from common.after_training.trained import LATEST, load_model, open_run, read_state
-from common.data.images import PathImages
+from common.data.images import EncodedImage, PathImages
 from common.entry import distributed_process, exit_after, fail, user_message
 from common.errors import UserError
 from common.pytorch.distributed import on_device, resolve_device
@@ -50,7 +50,8 @@ MASKS = "masks"
 LIST_SUFFIX = ".txt"  # INPUT=<list.txt>: one image path a line, relative to the list's folder or absolute
 
 
-def one_classifier(metadata: dict[str, Any], decode: Any, prepare: Any) -> PredictInput:
+def one_classifier(metadata: dict[str, Any], decode: Callable[[EncodedImage], torch.Tensor],
+                   prepare: Callable[[torch.Tensor], torch.Tensor]) -> PredictInput:
     """The ``PredictInput`` of a model whose output is one ``[B, classes]`` tensor, named by ``metadata["classes"]``."""
     return PredictInput(decode=decode, prepare=prepare, classes={CLASS: list(metadata["classes"])},
                         scores=_one_level)
@@ -87,7 +88,7 @@ class _Images(Dataset):
     """``(index, uint8 image or None, (height, width) of the file, error)`` per path: a file that does not read as
     an image gives its one-line error instead of stopping the others."""
 
-    def __init__(self, paths: list[Path], decode: Any) -> None:
+    def __init__(self, paths: list[Path], decode: Callable[[EncodedImage], torch.Tensor]) -> None:
         self.files = PathImages([str(path) for path in paths], [None] * len(paths))
         self.decode = decode
 
