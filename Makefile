@@ -23,7 +23,7 @@ WHICH ?=
 SPLIT ?=
 DEVICE ?= cuda
 
-.PHONY: help setup lint test docs eval stress-exit mutation-check bench bench-peers gpu-check compare export new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test docs eval stress-exit mutation-check bench bench-peers gpu-check compare export predict new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path] [RUN=run dir]"
@@ -78,6 +78,10 @@ eval-%: eval ## The same as make eval (kept for the recipe-named habit)
 
 export: $(STAMP) FORCE ## Weights as safetensors + metadata.json: RUN=<run dir> [WHICH=latest|best|<name>] [OUT=dir] [ARGS=...]
 	$(PY) -m common.after_training.export $(CHECKPOINT_ARGS) $(if $(OUT),--out "$(OUT)") $(ARGS)
+
+predict: $(STAMP) FORCE ## Predict image files, a CSV row each: RUN=<run dir|export> INPUT=<folder|list.txt|image> [OUT=dir] [WHICH=...] [TOPK=5] [ARGS=...]
+	$(PY) -m common.after_training.predict $(CHECKPOINT_ARGS) "$(or $(INPUT),$(error INPUT=<folder | list.txt | image> is required))" \
+		$(if $(OUT),--out "$(OUT)") $(if $(TOPK),--topk "$(TOPK)") $(ARGS)
 
 lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
 	$(VENV)/bin/ruff check .

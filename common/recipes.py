@@ -2,8 +2,8 @@
 
 - ``SPEC = RecipeSpec(...)`` (as torchtitan's ``ModelSpec``): the config schema, the model as
   training builds it, the evaluation of a split, the names its tensors have outside it.
-- Read by ``python -m recipes.<r>.train`` (schema, process group), ``make eval``, ``make export``
-  and ``init_from=``.
+- Read by ``python -m recipes.<r>.train`` (schema, process group), ``make eval``, ``make export``,
+  ``make predict`` and ``init_from=``.
 - The functions it points at live in the recipe: the model in ``model.py``; the model as
   trained, the splits and their evaluation in ``spec.py`` itself, which ``train.py`` imports (one
   direction: ``spec.py`` imports nothing of ``train.py``, so the tools and the loop share one of each).
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from common.config import RunConfig
@@ -32,6 +33,28 @@ class Evaluate(Protocol):
     """
 
     def __call__(self, model: nn.Module, of_ema: bool = False) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class PredictInput:
+    """How ``make predict`` feeds a recipe's model image files and reads its output, from an export's
+    ``metadata.json`` alone (a run's is what its export would write): the recipe's evaluation transform.
+
+    - ``decode``: one ``common.data.images.EncodedImage`` to uint8 ``[C, H, W]`` (in loader workers); raises
+      ``UserError`` naming the file when it is not a readable image.
+    - ``prepare``: a uint8 batch on the host to the model's input on the device.
+    - ``scores``: the model's output to ``{level: scores}``, ``[B, classes]`` (or ``[B, classes, H, W]`` for a
+      model with ``palette``), the class names of each level in ``classes``.
+    - ``palette``: a per-pixel model's: the PNG palette its masks are written with (256 RGB triples, flat).
+    - ``pad``: the uint8 colour that pads images of different sizes into one batch (None: they are all one size).
+    """
+
+    decode: Callable[[Any], torch.Tensor]
+    prepare: Callable[[torch.Tensor], torch.Tensor]
+    classes: dict[str, list[str]]
+    scores: Callable[[Any], dict[str, torch.Tensor]]
+    palette: list[int] | None = None
+    pad: tuple[int, ...] | None = None
 
 
 def _no_process_group_options(cfg: Any) -> dict[str, Any]:
@@ -66,6 +89,7 @@ class RecipeSpec:
     export_metadata: Callable[[Any], dict[str, Any]]  # ``(cfg)``: input, classes, how a library loads it
     model_from_export: Callable[[Any, dict[str, Any], Path], nn.Module]  # ``(model_cfg, metadata, folder)``
     export_files: dict[str, str] = field(default_factory=dict)  # export name prefix -> file, beside model.safetensors
+    predict_input: Callable[[dict[str, Any], torch.device], PredictInput]  # ``(export metadata, device)``
     write_export_extras: Callable[[Any, Path, dict[str, Any]], None] | None = None  # e.g. transformers' config.json
     process_group: Callable[[Any], dict[str, Any]] = _no_process_group_options
     """``(cfg)``: options for ``common.pytorch.distributed.init_distributed`` the model needs (FSDP2 on one GPU)."""

@@ -206,7 +206,7 @@ class _RedDetector(nn.Module):
 def test_evaluation_resizes_to_base_size_and_padding_never_counts(voc_data: Path) -> None:
     data_cfg = DataConfig(root=str(voc_data), base_size=44)
     pairs = find_pairs(data_cfg, "val")
-    dataset = SegmentationDataset(pairs, eval_transform(data_cfg), num_classes=21, augment=False)
+    dataset = SegmentationDataset(pairs, eval_transform(data_cfg.base_size), num_classes=21, augment=False)
     shapes = {tuple(dataset[i][1].shape) for i in range(len(dataset))}
     assert len(shapes) == 3 and all(min(shape) == 44 for shape in shapes)  # aspect ratio kept
 

@@ -54,6 +54,10 @@ PROGRESSIVE_TIMM = (f"{PROGRESSIVE}test_timm_trains_each_epoch_at_its_size_evalu
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
+PREDICT = "tests/test_predict.py::"
+PREDICTED_SPLIT = f"{PREDICT}test_predicting_the_evaluation_split_gives_the_top1_make_eval_reports"
+UNREADABLE = f"{PREDICT}test_unreadable_files_are_named_and_the_rest_predicted"
+
 MUTATIONS: list[Mutation] = [
     # ---- found by the audit (issue 15) ----------------------------------------------------------
     Mutation(
@@ -1060,5 +1064,71 @@ MUTATIONS: list[Mutation] = [
         "                        teacher_logits = teacher.model(train_input(inputs))",
         ("tests/test_distill.py::test_the_teacher_sees_the_students_batch_after_mixup[timm_imagenet]",),
         "the teacher predicts unmixed images while the student is trained on mixed ones: its targets are wrong",
+    ),
+    # ---- make predict (issue 45, item 1) ---------------------------------------------------------
+    Mutation(
+        "predict-ignores-the-ema", "common/after_training/predict.py",
+        "        if ema is not None:  # what make export takes: the EMA where the run keeps one\n",
+        "        if False:\n",
+        (PREDICTED_SPLIT,),
+        "make predict on a run with an EMA uses the raw weights, not those make export and make eval report",
+    ),
+    Mutation(
+        "predict-timm-without-the-centre-crop", "recipes/timm_imagenet/spec.py",
+        '"crop_pct": entry["crop_pct"],', '"crop_pct": 1.0,',
+        (PREDICTED_SPLIT,),
+        "timm_imagenet predicts on images transformed otherwise than its evaluation transforms them",
+    ),
+    Mutation(
+        "predict-fashion-mnist-unnormalised", "recipes/fashion_mnist/spec.py",
+        "lambda batch: normalize(batch[:, 0].to(device, non_blocking=True))",
+        "lambda batch: batch.to(device, non_blocking=True).float() / 255.0",
+        (PREDICTED_SPLIT,),
+        "fashion_mnist's predictions on image files are those of unnormalised input",
+    ),
+    Mutation(
+        "predict-cifar-on-the-0-255-scale", "recipes/cifar100_resnet50/spec.py",
+        "lambda batch: normalize(batch.to(device, non_blocking=True).float() / 255.0)",
+        "lambda batch: normalize(batch.to(device, non_blocking=True).float())",
+        (f"{PREDICT}test_cifar_images_from_files_predict_as_the_split_evaluates[cifar100_resnet50-cifar_run-eval_ema]",),
+        "cifar100_resnet50's predictions on image files are those of input 255 times too large",
+    ),
+    Mutation(
+        "predict-decompression-bomb-is-a-traceback", "common/data/images.py",
+        'ValueError, Image.DecompressionBombError) as error:\n        raise UserError(f"{path} is not a readable image',
+        'ValueError) as error:\n        raise UserError(f"{path} is not a readable image',
+        (UNREADABLE,),
+        "one image over PIL's decompression-bomb limit stops make predict (and training) with a traceback",
+    ),
+    Mutation(
+        "predict-error-not-in-the-csv", "common/after_training/predict.py",
+        '                rows[index]["error"] = error\n', "",
+        (UNREADABLE,),
+        "the CSV does not say which files could not be read",
+    ),
+    Mutation(
+        "predict-exit-0-when-nothing-read", "common/after_training/predict.py",
+        '    if all("error" in row for row in rows):\n', "    if not rows:\n",
+        (UNREADABLE,),
+        "make predict on a folder of unreadable files succeeds with an empty CSV",
+    ),
+    Mutation(
+        "predict-fungitastic-species-only", "recipes/fungitastic/spec.py",
+        "scores=lambda outputs: {level: outputs[level] for level in levels})",
+        "scores=lambda outputs: {levels[0]: outputs[levels[0]]})",
+        (f"{PREDICT}test_fungitastic_predicts_every_taxonomic_level",),
+        "fungitastic's predictions name one taxonomic level, not every level it predicts",
+    ),
+    Mutation(
+        "predict-masks-at-the-model-input-size", "common/after_training/predict.py",
+        'size=(height, width), mode="bilinear"', 'size=(in_height, in_width), mode="bilinear"',
+        (f"{PREDICT}test_tv_segmentation_writes_a_palette_mask_per_image_and_the_pixel_shares",),
+        "tv_segmentation's masks are not the size of their images",
+    ),
+    Mutation(
+        "predict-list-relative-to-the-working-directory", "common/after_training/predict.py",
+        "paths = [path.parent / line.strip() for line", "paths = [Path(line.strip()) for line",
+        (f"{PREDICT}test_an_export_folder_alone_predicts_what_its_run_predicts",),
+        "INPUT=<list.txt> with relative paths reads them from wherever make was started",
     ),
 ]

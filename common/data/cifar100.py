@@ -18,7 +18,8 @@ from common.errors import UserError
 
 FOLDER = "cifar-100-python"
 SPLITS = ("train", "test")
-_IMAGE_SHAPE = (3, 32, 32)
+IMAGE_SIZE = 32  # pixels a side
+_IMAGE_SHAPE = (3, IMAGE_SIZE, IMAGE_SIZE)
 NUM_CLASSES = 100
 _ALLOWED_GLOBALS = {
     ("numpy.core.multiarray", "_reconstruct"),

@@ -76,8 +76,34 @@ def read_header(data: np.ndarray | str, path: str) -> tuple[int, int, bool]:
     try:
         with Image.open(data if isinstance(data, str) else io.BytesIO(data)) as image:
             return image.width, image.height, image.format == "JPEG" and image.mode == "RGB"
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
         raise UserError(f"{path} is not a readable image ({error})") from error
+
+
+def open_image(data: np.ndarray, name: str, mode: str) -> Image.Image:
+    """An encoded image decoded whole by PIL and converted to ``mode`` (``L``, ``RGB``); ``UserError`` naming
+    ``name`` when it does not decode (truncated, not an image, over PIL's decompression-bomb limit)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert(mode)
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise UserError(f"{name} is not a readable image ({error})") from error
+
+
+class FixedSizeImage:
+    """One encoded image as uint8 ``[C, size, size]`` in PIL ``mode``: what a dataset stored at one small size
+    holds (Fashion-MNIST's 28 px greys, CIFAR's 32 px colour); an image of another size is resized to it
+    (bilinear, antialiased), as those datasets were made."""
+
+    def __init__(self, mode: str, size: int) -> None:
+        self.mode, self.size = mode, size
+
+    def __call__(self, image: EncodedImage) -> torch.Tensor:
+        pil = open_image(image.data, image.name, self.mode)
+        if pil.size != (self.size, self.size):
+            pil = pil.resize((self.size, self.size), Image.Resampling.BILINEAR)
+        pixels = torch.from_numpy(np.array(pil))
+        return pixels.unsqueeze(0) if pixels.ndim == 2 else pixels.permute(2, 0, 1).contiguous()
 
 
 class EncodedImage(NamedTuple):
@@ -311,12 +337,16 @@ class ResizedImages(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, Any]:
         image = self.images[index]
+        return self.decoded(image), image.label
+
+    def decoded(self, image: EncodedImage) -> torch.Tensor:
+        """One image, whole, resized to ``size`` x ``size`` (``make predict`` calls this alone)."""
         whole = CropBox(0, 0, image.height, image.width)
         reduction = dct_reduction(whole, self.size) if self.draft_decode else 1
         pixels = decode(image.data, image.name, reduction)
         check_size(pixels.shape, image.width, image.height, image.name, reduction)
         box = CropBox(0, 0, *pixels.shape[:2])
-        return _crop_resize(pixels, box, self.size, "bilinear"), image.label
+        return _crop_resize(pixels, box, self.size, "bilinear")
 
 
 class PackedFiles(dict):

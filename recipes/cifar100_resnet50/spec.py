@@ -18,12 +18,14 @@ from torch import nn
 
 from common.after_training.evaluate import classification_scores, metric_prefix
 from common.after_training.export import timm_classifiers, timm_loading
+from common.after_training.predict import one_classifier
 from common.data import cifar100
 from common.data.image_batches import Normalize
+from common.data.images import FixedSizeImage
 from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, on_device
-from common.recipes import Evaluate, RecipeSpec
+from common.recipes import Evaluate, PredictInput, RecipeSpec
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config, ModelConfig
 from recipes.cifar100_resnet50.data import MEAN, STD
 from recipes.cifar100_resnet50.model import build_model
@@ -68,6 +70,13 @@ def export_metadata(cfg: Cifar100ResNet50Config) -> dict[str, Any]:
     return metadata
 
 
+def predict_input(metadata: dict[str, Any], device: torch.device) -> PredictInput:
+    """Image files as colour images of CIFAR's size, normalised as the evaluation normalises the split."""
+    normalize = Normalize(MEAN, STD, device, input_max=1)
+    return one_classifier(metadata, FixedSizeImage("RGB", INPUT_SIZE[-1]),
+                          lambda batch: normalize(batch.to(device, non_blocking=True).float() / 255.0))
+
+
 def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:
     return build_model(model_cfg)
 
@@ -80,4 +89,5 @@ SPEC = RecipeSpec(
     head_names=lambda model_cfg: [f"{name}." for name in timm_classifiers(model_cfg.name)],
     export_metadata=export_metadata,
     model_from_export=model_from_export,
+    predict_input=predict_input,
 )

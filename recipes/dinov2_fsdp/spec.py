@@ -22,15 +22,17 @@ from torch import nn
 
 from common.after_training.evaluate import metric_prefix, model_outputs
 from common.after_training.export import timm_loading
+from common.after_training.predict import one_classifier
 from common.data import cifar100
 from common.data.image_batches import Normalize
+from common.data.images import FixedSizeImage
 from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, on_device
 from common.pytorch.fsdp import fully_shard_blocks, process_group_options
 from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics
-from common.recipes import Evaluate, RecipeSpec
+from common.recipes import Evaluate, PredictInput, RecipeSpec
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig, ModelConfig
 from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
 from recipes.dinov2_fsdp.model import NUM_CLASSES, DinoClassifier, build_model, transformers_config
@@ -146,6 +148,14 @@ def write_export_extras(cfg: DinoV2FSDPConfig, folder: Path, metadata: dict[str,
     config.save_pretrained(folder)
 
 
+def predict_input(metadata: dict[str, Any], device: torch.device) -> PredictInput:
+    """Image files as CIFAR's 32 px colour images, then upsampled and normalised as the evaluation does."""
+    normalize = Normalize(MEAN, STD, device, input_max=1)
+    size = metadata["input"]["size"][-1]
+    return one_classifier(metadata, FixedSizeImage("RGB", cifar100.IMAGE_SIZE),
+                          lambda batch: to_model_input(batch.to(device, non_blocking=True), size, normalize))
+
+
 def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:
     if model_cfg.library == "transformers":
         from transformers import Dinov2Config, Dinov2Model
@@ -171,5 +181,6 @@ SPEC = RecipeSpec(
     export_metadata=export_metadata,
     model_from_export=model_from_export,
     write_export_extras=write_export_extras,
+    predict_input=predict_input,
     process_group=process_group,
 )

@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from common.after_training.evaluate import classification_scores, metric_prefix
+from common.after_training.predict import one_classifier
+from common.data.images import FixedSizeImage
 from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, on_device
-from common.recipes import Evaluate, RecipeSpec
+from common.recipes import Evaluate, PredictInput, RecipeSpec
 from recipes.fashion_mnist.config import FashionMNISTConfig, ModelConfig
 from recipes.fashion_mnist.data import CLASSES, MEAN, STD, load_split, normalize
 from recipes.fashion_mnist.model import IMAGE_SIZE, build_model
@@ -60,6 +62,12 @@ def export_metadata(cfg: FashionMNISTConfig) -> dict[str, Any]:
             "num_classes": len(CLASSES), "classes": list(CLASSES)}
 
 
+def predict_input(metadata: dict[str, Any], device: torch.device) -> PredictInput:
+    """Image files as greys of the dataset's size, normalised as the evaluation normalises the split."""
+    return one_classifier(metadata, FixedSizeImage("L", IMAGE_SIZE),
+                          lambda batch: normalize(batch[:, 0].to(device, non_blocking=True)))
+
+
 def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:
     return build_model(model_cfg)
 
@@ -72,4 +80,5 @@ SPEC = RecipeSpec(
     head_names=head_names,
     export_metadata=export_metadata,
     model_from_export=model_from_export,
+    predict_input=predict_input,
 )

@@ -27,7 +27,7 @@ from common.errors import UserError
 from common.pytorch.activation_checkpointing import checkpoint_blocks, residual_blocks
 from common.pytorch.distributed import DistInfo, on_device
 from common.pytorch.fsdp import check_fsdp_settings, fully_shard_blocks, process_group_options
-from common.recipes import RecipeSpec
+from common.recipes import PredictInput, RecipeSpec
 from recipes.fungitastic import metadata
 from recipes.fungitastic.config import FungiTasticConfig, ModelConfig
 from recipes.fungitastic.data import split_files
@@ -129,6 +129,7 @@ def export_metadata(cfg: FungiTasticConfig) -> dict[str, Any]:
         species[index] = name
     exported = {
         "input": {"size": size, "mean": list(mean), "std": list(std),
+                  "draft_decode": cfg.data.draft_decode,
                   "pixels": "whole image resized to size (bilinear), / 255, then (x - mean) / std"},
         "levels": levels, "num_classes": num_classes, "classes": species,
         "taxonomy": {key: mappings[key] for key in ("source", "levels", "num_classes", "name_to_index",
@@ -138,6 +139,21 @@ def export_metadata(cfg: FungiTasticConfig) -> dict[str, Any]:
         exported["timm"] = timm_loading(cfg.model.name, num_classes["species"], size, mean, std,
                                         size_kwargs(cfg.model.name, cfg.data.image_size))
     return exported
+
+
+def predict_input(metadata: dict[str, Any], device: torch.device) -> PredictInput:
+    """Whole image files resized as the evaluation resizes them; each level's head scored, named by the
+    taxonomy's labels."""
+    entry, levels = metadata["input"], list(metadata["levels"])
+    classes = {}
+    for level in levels:
+        names = [None] * metadata["num_classes"][level]
+        for name, index in metadata["taxonomy"]["name_to_index"][level].items():
+            names[index] = name
+        classes[level] = names
+    return PredictInput(decode=ResizedImages([], entry["size"][-1], entry["draft_decode"]).decoded,
+                        prepare=Normalize(entry["mean"], entry["std"], device), classes=classes,
+                        scores=lambda outputs: {level: outputs[level] for level in levels})
 
 
 def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:
@@ -155,5 +171,6 @@ SPEC = RecipeSpec(
     export_metadata=export_metadata,
     model_from_export=model_from_export,
     export_files={"level_heads.": "level_heads.safetensors"},
+    predict_input=predict_input,
     process_group=process_group,
 )

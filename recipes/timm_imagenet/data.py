@@ -31,7 +31,7 @@ from torchvision.transforms import v2
 from common.config import DataFormat
 from common.data import file_index
 from common.data.file_index import FileIndex, IndexedFiles, load_or_build
-from common.data.images import INTERPOLATIONS, TrainAugmentation
+from common.data.images import INTERPOLATIONS, EncodedImage, TrainAugmentation
 from common.data.loaders import cpu_cores_per_rank
 from common.data.shards import ShardImages, shard_folder
 from common.errors import UserError
@@ -148,7 +148,11 @@ class EvalImages(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, Any]:
         image = self.images[index]
-        return self.transform(load_rgb(image.data, image.name)), image.label
+        return self.decoded(image), image.label
+
+    def decoded(self, image: EncodedImage) -> torch.Tensor:
+        """One image through the transform (``make predict`` calls this alone)."""
+        return self.transform(load_rgb(image.data, image.name))
 
 
 def resolve(model: torch.nn.Module, size: int, crop_pct: float, interpolation: str) -> dict[str, Any]:

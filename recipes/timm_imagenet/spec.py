@@ -17,6 +17,7 @@ from torch import nn
 
 from common.after_training.evaluate import classification_scores, metric_prefix, most_batches
 from common.after_training.export import timm_classifiers, timm_loading
+from common.after_training.predict import one_classifier
 from common.config import DataFormat
 from common.data.image_batches import Normalize
 from common.data.loaders import make_loader
@@ -24,7 +25,7 @@ from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.activation_checkpointing import checkpoint_blocks, residual_blocks
 from common.pytorch.distributed import DistInfo, on_device
 from common.pytorch.fsdp import check_fsdp_settings, fully_shard_blocks, process_group_options
-from common.recipes import Evaluate, RecipeSpec
+from common.recipes import Evaluate, PredictInput, RecipeSpec
 from recipes.timm_imagenet.config import ModelConfig, TimmImageNetConfig
 from recipes.timm_imagenet.data import EvalImages, check_layout, class_names, eval_transform, resolve, split_images
 from recipes.timm_imagenet.model import build_model
@@ -83,12 +84,24 @@ def export_metadata(cfg: TimmImageNetConfig) -> dict[str, Any]:
         model = build_model(cfg.model, len(classes), pretrained=False)
     data = resolve(model, cfg.data.eval_size, cfg.data.eval_crop_pct, cfg.data.interpolation)
     return {"input": {"size": list(data["input_size"]), "mean": list(data["mean"]), "std": list(data["std"]),
-                      "crop_pct": data["crop_pct"], "interpolation": data["interpolation"],
+                      "crop_pct": data["crop_pct"], "crop_mode": data["crop_mode"],
+                      "interpolation": data["interpolation"],
                       "pixels": "resize to size / crop_pct, centre crop, / 255, then (x - mean) / std"},
             "num_classes": len(classes), "classes": classes,
             "timm": timm_loading(cfg.model.name, len(classes), data["input_size"], data["mean"], data["std"],
                                  dict(cfg.model.kwargs), crop_pct=data["crop_pct"],
                                  interpolation=data["interpolation"])}
+
+
+def predict_input(metadata: dict[str, Any], device: torch.device) -> PredictInput:
+    """Image files through timm's evaluation transform (resize, centre crop) as ``metadata.json``'s input
+    describes it, normalised on the device as the evaluation does."""
+    entry = metadata["input"]
+    data_config = {"input_size": tuple(entry["size"]), "interpolation": entry["interpolation"],
+                   "mean": tuple(entry["mean"]), "std": tuple(entry["std"]), "crop_pct": entry["crop_pct"],
+                   "crop_mode": entry["crop_mode"]}
+    return one_classifier(metadata, EvalImages([], eval_transform(data_config)).decoded,
+                          Normalize(entry["mean"], entry["std"], device))
 
 
 def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:
@@ -103,5 +116,6 @@ SPEC = RecipeSpec(
     head_names=lambda model_cfg: [f"{name}." for name in timm_classifiers(model_cfg.name)],
     export_metadata=export_metadata,
     model_from_export=model_from_export,
+    predict_input=predict_input,
     process_group=process_group,
 )

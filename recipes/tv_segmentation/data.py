@@ -24,6 +24,7 @@ from albumentations.pytorch import ToTensorV2
 from PIL import Image
 from torch.utils.data import Dataset
 
+from common.data.images import EncodedImage, open_image
 from common.errors import UserError
 from recipes.tv_segmentation import coco
 from recipes.tv_segmentation.config import DataConfig
@@ -110,9 +111,9 @@ def train_transform(cfg: DataConfig) -> A.Compose:
     ])
 
 
-def eval_transform(cfg: DataConfig) -> A.Compose:
+def eval_transform(base_size: int) -> A.Compose:
     return A.Compose([
-        A.SmallestMaxSize(max_size=cfg.base_size, interpolation=cv2.INTER_LINEAR,
+        A.SmallestMaxSize(max_size=base_size, interpolation=cv2.INTER_LINEAR,
                           mask_interpolation=cv2.INTER_NEAREST),
         ToTensorV2(),
     ])
@@ -148,6 +149,16 @@ class SegmentationDataset(Dataset):
             self.transform.set_random_state(np.random.default_rng(seed), random.Random(seed))
         out = self.transform(image=image, mask=mask)
         return out["image"], out["mask"]
+
+
+class EvalImage:
+    """One encoded image file through the evaluation transform: uint8 ``[3, H, W]`` (``make predict``)."""
+
+    def __init__(self, base_size: int) -> None:
+        self.transform = eval_transform(base_size)
+
+    def __call__(self, image: EncodedImage) -> torch.Tensor:
+        return self.transform(image=np.array(open_image(image.data, image.name, "RGB")))["image"]
 
 
 def pad_collate(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

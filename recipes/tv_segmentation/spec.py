@@ -16,16 +16,20 @@ import torch
 from torch import nn
 
 from common.after_training.evaluate import metric_prefix, model_outputs
+from common.after_training.predict import CLASS
 from common.data.image_batches import Normalize
 from common.data.loaders import make_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, on_device
-from common.recipes import Evaluate, RecipeSpec
+from common.recipes import Evaluate, PredictInput, RecipeSpec
+from recipes.tv_segmentation.coco import voc_palette
 from recipes.tv_segmentation.config import ModelConfig, TvSegmentationConfig
 from recipes.tv_segmentation.data import (
     MEAN,
+    MEAN_UINT8,
     STD,
+    EvalImage,
     SegmentationDataset,
     class_names,
     eval_transform,
@@ -53,7 +57,7 @@ def model_as_trained(cfg: TvSegmentationConfig, dist_info: DistInfo, pretrained:
 def evaluator(cfg: TvSegmentationConfig, dist_info: DistInfo, split: str) -> Evaluate:
     """mIoU, pixel accuracy and per-class IoU over the val split, from one confusion matrix summed
     over ranks (each pixel counted once); images decoded in DataLoader workers, uint8 to the device."""
-    dataset = SegmentationDataset(find_pairs(cfg.data, cfg.data.val_split), eval_transform(cfg.data),
+    dataset = SegmentationDataset(find_pairs(cfg.data, cfg.data.val_split), eval_transform(cfg.data.base_size),
                                   cfg.model.num_classes, augment=False)
     sampler = ResumableDistributedSampler(len(dataset), dist_info.rank, dist_info.world_size, shuffle=False,
                                           drop_last=False)
@@ -97,6 +101,14 @@ def export_metadata(cfg: TvSegmentationConfig) -> dict[str, Any]:
                                        **({"aux_loss": True} if cfg.model.aux_loss else {})}}}
 
 
+def predict_input(metadata: dict[str, Any], device: torch.device) -> PredictInput:
+    """Image files through the evaluation transform, padded into batches as the evaluation pads them; the
+    masks in Pascal VOC's palette."""
+    return PredictInput(decode=EvalImage(metadata["input"]["base_size"]), prepare=Normalize(MEAN, STD, device),
+                        classes={CLASS: list(metadata["classes"])}, scores=lambda outputs: {CLASS: outputs["out"]},
+                        palette=voc_palette(), pad=MEAN_UINT8)
+
+
 def model_from_export(model_cfg: ModelConfig, metadata: dict[str, Any], folder: Path) -> nn.Module:
     return build_model(model_cfg, pretrained=False)
 
@@ -109,4 +121,5 @@ SPEC = RecipeSpec(
     head_names=head_names,
     export_metadata=export_metadata,
     model_from_export=model_from_export,
+    predict_input=predict_input,
 )
