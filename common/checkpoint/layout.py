@@ -145,7 +145,8 @@ def improves(value: float | None, best: float | None, mode: str) -> bool:
 
 
 def best_checkpoints(checkpoints: list[CheckpointDir], metric: str | None, mode: str) -> list[CheckpointDir]:
-    """The checkpoints with a finite value of ``metric``, best first by :func:`improves` (ties: the earlier first)."""
+    """The checkpoints with a finite value of ``metric``, best first (ties: the earlier first, as
+    :func:`best_checkpoint` takes)."""
     scored = [found_dir for found_dir in checkpoints
               if metric is not None and improves(found_dir.metrics.get(metric), None, mode)]
     return sorted(scored, key=lambda found_dir: found_dir.metrics[metric], reverse=mode == "max")
@@ -153,7 +154,12 @@ def best_checkpoints(checkpoints: list[CheckpointDir], metric: str | None, mode:
 
 def best_checkpoint(checkpoints: list[CheckpointDir], metric: str | None, mode: str) -> CheckpointDir | None:
     """The first checkpoint with the best value of ``metric`` by :func:`improves`; None without one."""
-    return next(iter(best_checkpoints(checkpoints, metric, mode)), None)
+    best, best_value = None, None
+    for found_dir in checkpoints:
+        value = found_dir.metrics.get(metric) if metric is not None else None
+        if improves(value, best_value, mode):
+            best, best_value = found_dir, value
+    return best
 
 
 def is_artifact_path(directory: str | Path) -> bool:
