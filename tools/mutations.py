@@ -43,6 +43,8 @@ SOURCES = "tests/test_data_sources.py::"
 LAYERS = "tests/test_layers.py::"
 COPY_TRAINS = ("tests/test_new_recipe.py::"
                "test_a_copy_prepares_its_data_as_its_original_does_and_the_tool_names_each_command_it_needs")
+AVERAGE = "tests/test_average.py::"
+KEEP_BEST_K = "tests/test_checkpoint.py::test_keep_best_k_keeps_the_k_best_each_force_when_it_ranked_among_them"
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -899,5 +901,62 @@ MUTATIONS: list[Mutation] = [
         ("tests/test_startup.py::"
          "test_a_run_that_times_no_start_up_records_none_after_a_run_stopped_before_its_first_step",),
         "in a notebook or a search's trials, a run reports the start-up of one that stopped before its first step",
+    ),
+    # ---- make average and the checkpoints it averages (issue 45) --------------------------------
+    Mutation(
+        "average-not-divided", "common/after_training/average.py",
+        "averaged[key] = (total / len(states)).to(first.dtype)", "averaged[key] = total.to(first.dtype)",
+        (f"{AVERAGE}test_the_average_of_two_is_the_elementwise_mean_of_their_ema",),
+        "an average of two checkpoints holds their sum",
+    ),
+    Mutation(
+        "average-counters-of-the-oldest", "common/after_training/average.py",
+        "            averaged[key] = first.clone()", "            averaged[key] = states[-1][key].clone()",
+        (f"{AVERAGE}test_the_average_of_two_is_the_elementwise_mean_of_their_ema",),
+        "BatchNorm's num_batches_tracked of an average is the oldest checkpoint's",
+    ),
+    Mutation(
+        "average-last-takes-the-oldest", "common/after_training/average.py",
+        "        found = newest_steps(folder)\n", "        found = newest_steps(folder)[::-1]\n",
+        (f"{AVERAGE}test_the_average_of_one_checkpoint_is_that_checkpoint",),
+        "LAST=k averages the oldest kept checkpoints",
+    ),
+    Mutation(
+        "average-batchnorm-not-recomputed", "common/after_training/average.py",
+        "    update_bn(counted(), model)\n", "",
+        (f"{AVERAGE}test_batchnorm_statistics_are_those_of_the_averaged_weights",),
+        "an average keeps the mean of BatchNorm statistics, which do not fit the averaged weights",
+    ),
+    Mutation(
+        "average-batchnorm-of-other-weights", "common/after_training/average.py",
+        "                model.load_state_dict(averaged)\n", "",
+        (f"{AVERAGE}test_batchnorm_statistics_are_those_of_the_averaged_weights",),
+        "the averaged checkpoint holds freshly initialised weights with their BatchNorm statistics",
+    ),
+    Mutation(
+        "average-of-another-model", "common/after_training/average.py",
+        "        _check_same_run(chosen[0], found_dir)\n", "",
+        (f"{AVERAGE}test_checkpoints_of_another_model_are_one_line_and_exit_2[model-config]",
+         f"{AVERAGE}test_checkpoints_of_another_model_are_one_line_and_exit_2[recipe]"),
+        "checkpoints of two model configs are averaged into weights that fit neither",
+    ),
+    Mutation(
+        "average-not-read-by-name", "common/after_training/trained.py",
+        "    return bool(CHECKPOINT_DIR.match(name) or AVERAGE_DIR.match(name))",
+        "    return bool(CHECKPOINT_DIR.match(name))",
+        (f"{AVERAGE}test_eval_export_and_init_from_read_the_average_by_name",),
+        "make eval WHICH=average-last-3 says there is no such checkpoint",
+    ),
+    Mutation(
+        "keep-best-k-pruned", "common/checkpoint/manager.py",
+        "        keep |= {found_dir.path for found_dir in self._kept_best()}\n", "",
+        (f"{KEEP_BEST_K}",),
+        "checkpoint.keep_best_k=3 keeps only the best, and make average BEST=3 has nothing to average",
+    ),
+    Mutation(
+        "keep-best-k-not-force", "common/checkpoint/manager.py",
+        "force = new_best or kept_best or milestone is not None", "force = new_best or milestone is not None",
+        (f"{KEEP_BEST_K}",),
+        "on the ISC, the k best checkpoints are not shipped by a sync",
     ),
 ]
