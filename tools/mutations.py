@@ -948,6 +948,12 @@ MUTATIONS: list[Mutation] = [
         "make eval WHICH=average-last-3 says there is no such checkpoint",
     ),
     Mutation(
+        "average-in-the-layout", "common/after_training/average.py",
+        '    return f"average-{how}-{count}"', '    return f"AtomicDirectory_checkpoint_{count}0_force"',
+        (f"{AVERAGE}test_a_resume_never_takes_the_average_and_retention_leaves_it",),
+        "the averaged checkpoint is written as a checkpoint of the run, which retention deletes or a resume takes",
+    ),
+    Mutation(
         "keep-best-k-pruned", "common/checkpoint/manager.py",
         "        keep |= {found_dir.path for found_dir in self._kept_best()}\n", "",
         (f"{KEEP_BEST_K}",),
