@@ -16,17 +16,23 @@ import pytest
 import torch
 from torch.optim.swa_utils import update_bn
 
-from common.after_training.average import average_run, main
+from common.after_training.average import average_run, average_weights, main
 from common.after_training.export import export_run, read_export_weights, read_metadata
 from common.after_training.init_from import initialize_model
 from common.after_training.trained import checkpoint_weights, open_run, read_state
 from common.checkpoint.layout import MANIFEST_FILE, STATE_FILE, file_digest, newest_valid_checkpoint
 from common.checkpoint.manager import CheckpointManager
+from common.config import config_record
+from common.entry import compose_config, typed_config
+from common.errors import UserError
 from recipes.fashion_mnist.model import build_model
 from recipes.fashion_mnist.spec import train_inputs
+from recipes.timm_imagenet.data import class_names
+from recipes.timm_imagenet.model import build_model as timm_model
+from recipes.timm_imagenet.spec import train_inputs as timm_train_inputs
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.recipe_probe import CPU
-from tests.trained_runs import cifar_run, evaluate_here, fashion_run
+from tests.trained_runs import TINY, cifar_run, evaluate_here, fashion_run, imagenet_data
 
 BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -96,6 +102,31 @@ def test_batchnorm_statistics_are_those_of_the_averaged_weights(tmp_path_factory
             assert torch.equal(value, mean[key]), f"{key} is the averaged weight"
     assert not torch.allclose(state["1.running_var"], mean["1.running_var"]), "the statistics were recomputed"
     assert json.loads((written / MANIFEST_FILE).read_text())["average"]["bn_batches"] == 3
+
+
+def test_a_timm_resnet_gets_batchnorm_statistics_from_its_training_images(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Two checkpoints written as a run writes them (no training: weights of two seeds), in their folder alone."""
+    cfg = typed_config(compose_config("timm_imagenet", [*TINY["timm_imagenet"], f"run_dir={tmp_path / 'run'}",
+                                                        f"data.root={imagenet_data(tmp_path_factory)}"]))
+    folder = tmp_path / "run" / "checkpoints"
+    manager = CheckpointManager(folder, keep_last=2)
+    states = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        states.append(timm_model(cfg.model, len(class_names(cfg.data)), pretrained=False).state_dict())
+        manager.save(seed, {"model": states[-1]}, config=config_record(cfg))
+    written = average_run(folder, "last", 2, bn_batches=1)
+    state = averaged_state(written)
+    model = timm_model(cfg.model, len(class_names(cfg.data)), pretrained=False)
+    model.load_state_dict(average_weights(states[::-1]))
+    update_bn(itertools.islice(timm_train_inputs(cfg, CPU), 1), model)
+    assert [key for key in state if key.endswith("running_mean")], "test_resnet has BatchNorm"
+    assert len(list(timm_train_inputs(cfg, CPU))) == 24 // 8, "the training split's 24 images, 8 a batch"
+    for key, value in model.state_dict().items():
+        assert torch.allclose(state[key].float(), value.float(), rtol=1e-5, atol=1e-6), key
+    with pytest.raises(UserError, match=r"^the checkpoints of .+ do not fit the model their config builds: .*size"):
+        average_run(folder, "last", 2, bn_batches=1, overrides=["model.name=test_efficientnet"])
 
 
 def test_eval_export_and_init_from_read_the_average_by_name(tmp_path_factory: pytest.TempPathFactory,

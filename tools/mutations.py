@@ -929,9 +929,16 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "average-batchnorm-of-other-weights", "common/after_training/average.py",
-        "                model.load_state_dict(averaged)\n", "",
+        "                    model.load_state_dict(averaged)\n", "                    pass\n",
         (f"{AVERAGE}test_batchnorm_statistics_are_those_of_the_averaged_weights",),
         "the averaged checkpoint holds freshly initialised weights with their BatchNorm statistics",
+    ),
+    Mutation(
+        "average-batchnorm-of-val-images", "recipes/timm_imagenet/spec.py",
+        "_evaluation_images(cfg, dist_info, cfg.data.train_split)",
+        "_evaluation_images(cfg, dist_info, cfg.data.val_split)",
+        (f"{AVERAGE}test_a_timm_resnet_gets_batchnorm_statistics_from_its_training_images",),
+        "make average fits BatchNorm's statistics to the validation images it is then evaluated on",
     ),
     Mutation(
         "average-of-another-model", "common/after_training/average.py",

@@ -189,7 +189,11 @@ def average_run(source: str | Path, how: str, count: int, bn_batches: int = BN_B
                     raise UserError(f"recipes/{run.recipe}/spec.py gives no train_inputs to recompute BatchNorm's "
                                     f"statistics from: average with BN_BATCHES=0 (--bn-batches 0) to keep the "
                                     f"averaged statistics")
-                model.load_state_dict(averaged)
+                try:
+                    model.load_state_dict(averaged)
+                except RuntimeError as error:
+                    raise UserError(f"the checkpoints of {folder} do not fit the model their config builds: "
+                                    f"{str(error).strip().splitlines()[-1].strip()}") from error
                 bn_seen = recompute_batchnorm(model, spec.train_inputs(run.cfg, dist_info), bn_batches,
                                               run.cfg.trainer.channels_last)
                 averaged = {key: value.detach().cpu() for key, value in model.state_dict().items()}
