@@ -32,7 +32,7 @@ from recipes.timm_imagenet.model import build_model as timm_model
 from recipes.timm_imagenet.spec import train_inputs as timm_train_inputs
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.recipe_probe import CPU
-from tests.trained_runs import TINY, cifar_run, evaluate_here, fashion_run, imagenet_data
+from tests.trained_runs import TINY, cifar_run, dinov2_run, evaluate_here, fashion_run, imagenet_data
 
 BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -145,6 +145,20 @@ def test_eval_export_and_init_from_read_the_average_by_name(tmp_path_factory: py
     line = initialize_model(model, cfg.model, "fashion_mnist", str(written), skip_head=False)
     assert str(written) in line
     assert all(torch.equal(model.state_dict()[key], value) for key, value in state.items())
+
+
+def test_dinov2_shards_of_two_ranks_average_into_weights_one_rank_evaluates_sharded_or_whole(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    run = copied(dinov2_run(tmp_path_factory), tmp_path)
+    newest, older = (checkpoint_weights(path)[0] for path in newest_two(run))
+    written = average_run(run, "last", 2)
+    state = averaged_state(written)
+    for key, value in state.items():
+        assert torch.equal(value, ((newest[key].double() + older[key].double()) / 2).to(value.dtype)), key
+    assert json.loads((written / MANIFEST_FILE).read_text())["average"]["bn_batches"] == 0, "no BatchNorm"
+    sharded = evaluate_here("dinov2_fsdp", run, "fsdp.on_one_rank=true", which="average-last-2")
+    whole = evaluate_here("dinov2_fsdp", run, which="average-last-2")
+    assert sharded["metrics"]["eval/loss"] == pytest.approx(whole["metrics"]["eval/loss"], rel=1e-2)
 
 
 def test_a_resume_never_takes_the_average_and_retention_leaves_it(tmp_path_factory: pytest.TempPathFactory,

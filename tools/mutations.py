@@ -961,6 +961,12 @@ MUTATIONS: list[Mutation] = [
         "the averaged checkpoint is written as a checkpoint of the run, which retention deletes or a resume takes",
     ),
     Mutation(
+        "whole-weights-into-a-sharded-model", "common/after_training/trained.py",
+        "        elif is_sharded(model):", "        elif False:",
+        (f"{AVERAGE}test_dinov2_shards_of_two_ranks_average_into_weights_one_rank_evaluates_sharded_or_whole",),
+        "make eval of a dinov2_fsdp average with its model sharded says the checkpoint does not fit",
+    ),
+    Mutation(
         "keep-best-k-pruned", "common/checkpoint/manager.py",
         "        keep |= {found_dir.path for found_dir in self._kept_best()}\n", "",
         (f"{KEEP_BEST_K}",),

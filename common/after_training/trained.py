@@ -41,6 +41,7 @@ from common.checkpoint.layout import (
 from common.config import RunConfig
 from common.entry import CONFIG_ERRORS, CONFIG_FOLDER, check_resolves, config_error_line, recipe_schema, typed_config
 from common.errors import UserError
+from common.pytorch.fsdp import is_sharded
 
 CONFIG_FILE = Path(CONFIG_FOLDER) / "config.yaml"
 LATEST, BEST = "latest", "best"  # WHICH=: the newest valid checkpoint, the best by checkpoint.best_metric
@@ -213,7 +214,7 @@ def load_model(model: torch.nn.Module, checkpoint: Path, state: dict[str, Any]) 
     """Load a checkpoint's model weights into ``model`` as the run saved them.
 
     - FSDP shards go through ``torch.distributed.checkpoint`` (collective, any number of ranks), else
-      ``state["model"]`` is loaded.
+      ``state["model"]`` is loaded (whole, into a sharded model too).
     - Raises a one-line :class:`UserError` when the weights do not fit the model.
     """
     try:
@@ -226,6 +227,10 @@ def load_model(model: torch.nn.Module, checkpoint: Path, state: dict[str, Any]) 
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(shards, checkpoint_id=str(checkpoint / SHARDED_DIR))
             set_model_state_dict(model, shards["model"])
+        elif is_sharded(model):  # whole weights (an average's) into a sharded model: each rank takes its shard
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
         else:
             model.load_state_dict(state["model"])
     except (RuntimeError, KeyError, ValueError) as error:
