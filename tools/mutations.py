@@ -905,13 +905,13 @@ MUTATIONS: list[Mutation] = [
     # ---- make average and the checkpoints it averages (issue 45) --------------------------------
     Mutation(
         "average-not-divided", "common/after_training/average.py",
-        "averaged[key] = (total / len(states)).to(first.dtype)", "averaged[key] = total.to(first.dtype)",
+        "(totals[key] / count).to(value.dtype)", "totals[key].to(value.dtype)",
         (f"{AVERAGE}test_the_average_of_two_is_the_elementwise_mean_of_their_ema",),
         "an average of two checkpoints holds their sum",
     ),
     Mutation(
         "average-counters-of-the-oldest", "common/after_training/average.py",
-        "            averaged[key] = first.clone()", "            averaged[key] = states[-1][key].clone()",
+        "if key in totals else value.clone()", "if key in totals else state[key].clone()",
         (f"{AVERAGE}test_the_average_of_two_is_the_elementwise_mean_of_their_ema",),
         "BatchNorm's num_batches_tracked of an average is the oldest checkpoint's",
     ),
@@ -942,7 +942,7 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "average-of-another-model", "common/after_training/average.py",
-        "        _check_same_run(chosen[0], found_dir)\n", "",
+        "            _check_same_run(chosen[0], found_dir)\n", "",
         (f"{AVERAGE}test_checkpoints_of_another_model_are_one_line_and_exit_2[model-config]",
          f"{AVERAGE}test_checkpoints_of_another_model_are_one_line_and_exit_2[recipe]"),
         "checkpoints of two model configs are averaged into weights that fit neither",

@@ -22,7 +22,7 @@ import itertools
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,19 +109,23 @@ def _check_same_tensors(reference: str, weights: dict[str, torch.Tensor], other:
                             f"in {reference}: average checkpoints of one model")
 
 
-def average_weights(states: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def average_weights(states: Iterable[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The elementwise mean of ``states`` (same keys and shapes), accumulated in float64, in each tensor's dtype.
 
+    - Read one at a time: the first state and the float64 sums are all that is held.
     - Tensors that are not floating point (counters) are the first state's: ``states`` come newest first.
     """
-    averaged = {}
-    for key, first in states[0].items():
-        if first.is_floating_point():
-            total = sum(state[key].to(torch.float64) for state in states)
-            averaged[key] = (total / len(states)).to(first.dtype)
+    first, totals, count = None, {}, 0
+    for state in states:
+        if first is None:
+            first = state
+            totals = {key: value.to(torch.float64) for key, value in state.items() if value.is_floating_point()}
         else:
-            averaged[key] = first.clone()
-    return averaged
+            for key, total in totals.items():
+                total += state[key].to(torch.float64)
+        count += 1
+    return {key: (totals[key] / count).to(value.dtype) if key in totals else value.clone()
+            for key, value in first.items()}
 
 
 def has_batchnorm(model: torch.nn.Module) -> bool:
@@ -168,17 +172,21 @@ def average_run(source: str | Path, how: str, count: int, bn_batches: int = BN_B
     run = open_run(source, LATEST, overrides)
     folder = Path(run.cfg.checkpoint.dir)
     chosen = chosen_checkpoints(folder, how, count, run.cfg.checkpoint.best_metric, run.cfg.checkpoint.best_mode)
-    states, kinds = [], []
-    for found_dir in chosen:
-        _check_same_run(chosen[0], found_dir)
-        weights, kind = checkpoint_weights(found_dir.path)
-        _check_same_tensors(chosen[0].path.name, states[0] if states else weights, found_dir.path.name, weights)
-        if kinds and kind != kinds[0]:
-            raise UserError(f"{found_dir.path.name} holds {kind} weights and {chosen[0].path.name} {kinds[0]} "
-                            f"weights: average checkpoints of one run")
-        states.append(weights)
-        kinds.append(kind)
-    averaged = average_weights(states)
+    newest, kind = checkpoint_weights(chosen[0].path)
+
+    def checked_states() -> Iterator[dict[str, torch.Tensor]]:
+        """Each chosen checkpoint's weights, read when the average reaches it, checked against the newest's."""
+        yield newest
+        for found_dir in chosen[1:]:
+            _check_same_run(chosen[0], found_dir)
+            weights, its_kind = checkpoint_weights(found_dir.path)
+            _check_same_tensors(chosen[0].path.name, newest, found_dir.path.name, weights)
+            if its_kind != kind:
+                raise UserError(f"{found_dir.path.name} holds {its_kind} weights and {chosen[0].path.name} {kind} "
+                                f"weights: average checkpoints of one run")
+            yield weights
+
+    averaged = average_weights(checked_states())
     bn_seen = 0
     if bn_batches:
         spec = load_recipe(run.recipe)
@@ -200,7 +208,7 @@ def average_run(source: str | Path, how: str, count: int, bn_batches: int = BN_B
     manifest = {"format": 2, "step": chosen[0].step, "metrics": {}, "milestone": None,
                 "config": chosen[0].manifest.get("config"),
                 "average": {"checkpoints": [found_dir.path.name for found_dir in chosen],
-                            "steps": [found_dir.step for found_dir in chosen], "weights": kinds[0],
+                            "steps": [found_dir.step for found_dir in chosen], "weights": kind,
                             "bn_batches": bn_seen}}
     return _write(folder, average_name(how, count), {"model": averaged}, manifest)
 
