@@ -23,7 +23,7 @@ WHICH ?=
 SPLIT ?=
 DEVICE ?= cuda
 
-.PHONY: help setup lint test docs eval stress-exit mutation-check bench bench-peers gpu-check compare export predict new-recipe doctor isc-rehearse clean FORCE
+.PHONY: help setup lint test docs eval average stress-exit mutation-check bench bench-peers gpu-check compare export predict new-recipe doctor isc-rehearse clean FORCE
 
 help: ## List the targets
 	@echo "Usage: make <target> [ARGS=\"hydra overrides\"] [NPROC=n] [SOURCE=path] [RUN=run dir]"
@@ -82,6 +82,10 @@ export: $(STAMP) FORCE ## Weights as safetensors + metadata.json: RUN=<run dir> 
 predict: $(STAMP) FORCE ## Predict image files, a CSV row each: RUN=<run dir|export> INPUT=<folder|list.txt|image> [OUT=dir] [WHICH=...] [TOPK=5] [ARGS=...]
 	$(PY) -m common.after_training.predict $(CHECKPOINT_ARGS) "$(or $(INPUT),$(error INPUT=<folder | list.txt | image> is required))" \
 		$(if $(OUT),--out "$(OUT)") $(if $(TOPK),--topk "$(TOPK)") $(ARGS)
+
+average: $(STAMP) FORCE ## Average kept checkpoints into <checkpoints>/average-last-k (or -best-k): RUN=<run dir> LAST=k|BEST=k [BN_BATCHES=n] [ARGS=...]
+	$(PY) -m common.after_training.average "$(or $(RUN),$(error RUN=<run dir | checkpoint folder> is required))" \
+		$(if $(LAST),--last "$(LAST)") $(if $(BEST),--best "$(BEST)") $(if $(BN_BATCHES),--bn-batches "$(BN_BATCHES)") $(ARGS)
 
 lint: $(STAMP) ## Check style and imports with ruff (settings in pyproject.toml)
 	$(VENV)/bin/ruff check .

@@ -153,6 +153,7 @@ class CheckpointConfig:
     sync_every_steps: int = 10  # how often ranks agree on time/signal triggers
     keep_last: int = 2  # newest steps kept; ignored in CHECKPOINT_ARTIFACT_PATH, where the ISC does the deleting
     keep_best: bool = True  # the best by best_metric is kept, as a _force directory (the ISC always ships those)
+    keep_best_k: int = 0  # the k best by best_metric are kept too, _force (make average BEST=k); 0: the best alone
     best_metric: str = "eval/top1"
     best_mode: Mode = Mode.max
     async_save: bool = False

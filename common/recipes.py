@@ -3,7 +3,7 @@
 - ``SPEC = RecipeSpec(...)`` (as torchtitan's ``ModelSpec``): the config schema, the model as
   training builds it, the evaluation of a split, the names its tensors have outside it.
 - Read by ``python -m recipes.<r>.train`` (schema, process group), ``make eval``, ``make export``,
-  ``make predict`` and ``init_from=``.
+  ``make predict``, ``make average`` and ``init_from=``.
 - The functions it points at live in the recipe: the model in ``model.py``; the model as
   trained, the splits and their evaluation in ``spec.py`` itself, which ``train.py`` imports (one
   direction: ``spec.py`` imports nothing of ``train.py``, so the tools and the loop share one of each).
@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -91,6 +91,12 @@ class RecipeSpec:
     export_files: dict[str, str] = field(default_factory=dict)  # export name prefix -> file, beside model.safetensors
     predict_input: Callable[[dict[str, Any], torch.device], PredictInput]  # ``(export metadata, device)``
     write_export_extras: Callable[[Any, Path, dict[str, Any]], None] | None = None  # e.g. transformers' config.json
+    train_inputs: Callable[[Any, DistInfo], Iterator[torch.Tensor]] | None = None
+    """``(cfg, dist_info)``: training inputs as the model takes them, on the device, in the training sampler's order.
+
+    - The recipe's normalisation without random augmentation: ``make average`` recomputes BatchNorm
+      statistics from them (``common/after_training/average.py``). None: the recipe gives none.
+    """
     process_group: Callable[[Any], dict[str, Any]] = _no_process_group_options
     """``(cfg)``: options for ``common.pytorch.distributed.init_distributed`` the model needs (FSDP2 on one GPU)."""
 

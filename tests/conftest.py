@@ -156,7 +156,7 @@ WORKER_GROUPS = {
     "slurm": ("test_cluster", "test_local_slurm", "test_search_slurm"),
     "multinode": ("test_multinode",),
     "search": ("test_search",),
-    "trained_runs": ("test_evaluate", "test_export", "test_init_from", "test_predict"),
+    "trained_runs": ("test_evaluate", "test_export", "test_init_from", "test_predict", "test_average"),
     "dinov2_fsdp": ("test_dinov2_fsdp",),
     "fungitastic": ("test_fungitastic",),
     "cifar100_resnet50": ("test_cifar100_resnet50",),

@@ -72,6 +72,19 @@ def test_keep_last_n_steps_and_the_best_by_metric_which_is_force(tmp_path: Path)
     assert manager.best().step == 2
 
 
+def test_keep_best_k_keeps_the_k_best_each_force_when_it_ranked_among_them(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=1, best_metric="eval/top1", keep_best_k=2)
+    for step, accuracy in {1: 0.5, 2: 0.7, 3: 0.6, 4: 0.2, 5: 0.3}.items():
+        manager.save(step, state_for(step), {"eval/top1": accuracy})
+    # steps 2 and 3 are the two best; step 5 is the newest, below both when it was written
+    assert [found.path.name for found in checkpoint_dirs(tmp_path)] == [
+        "AtomicDirectory_checkpoint_1_force", "AtomicDirectory_checkpoint_2_force", "AtomicDirectory_checkpoint_4"]
+    reopened = CheckpointManager(tmp_path, keep_last=1, best_metric="eval/top1", keep_best_k=2)
+    reopened.save(6, state_for(6), {"eval/top1": 0.65})  # a resumed run knows the two best: 0.65 ranks second
+    assert [found.path.name for found in checkpoint_dirs(tmp_path)] == [
+        "AtomicDirectory_checkpoint_1_force", "AtomicDirectory_checkpoint_5_force"]
+
+
 def test_best_by_a_metric_to_minimise(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, keep_last=1, best_metric="eval/loss", best_mode="min")
     for step, loss in {1: 0.9, 2: 0.2, 3: 0.5}.items():

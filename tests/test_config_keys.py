@@ -318,6 +318,7 @@ CHECKS: dict[str, Check] = {
     "checkpoint.every_seconds": check("run.cadence.every_seconds", "checkpoint.every_seconds=11"),
     "checkpoint.keep_last": check("run.checkpoints.keep_last", "checkpoint.keep_last=4"),
     "checkpoint.keep_best": check("run.checkpoints.keep_best", "checkpoint.keep_best=false"),
+    "checkpoint.keep_best_k": check("run.checkpoints.keep_best_k", "checkpoint.keep_best_k=3"),
     "checkpoint.best_metric": check("run.checkpoints.best_metric", "checkpoint.best_metric=eval/other"),
     "checkpoint.best_mode": check("run.checkpoints.best_mode", "checkpoint.best_mode=min"),
     "checkpoint.async_save": check("run.checkpoints.async_save", "checkpoint.async_save=true",

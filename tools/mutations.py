@@ -51,6 +51,8 @@ COPY_TRAINS = ("tests/test_new_recipe.py::"
 PROGRESSIVE = "tests/test_progressive.py::"
 PROGRESSIVE_TIMM = (f"{PROGRESSIVE}test_timm_trains_each_epoch_at_its_size_evaluates_at_eval_size_and_a_resume_ends_"
                     "with_the_same_digest")
+AVERAGE = "tests/test_average.py::"
+KEEP_BEST_K = "tests/test_checkpoint.py::test_keep_best_k_keeps_the_k_best_each_force_when_it_ranked_among_them"
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
 
@@ -1130,5 +1132,81 @@ MUTATIONS: list[Mutation] = [
         "paths = [path.parent / line.strip() for line", "paths = [Path(line.strip()) for line",
         (f"{PREDICT}test_an_export_folder_alone_predicts_what_its_run_predicts",),
         "INPUT=<list.txt> with relative paths reads them from wherever make was started",
+    ),
+    # ---- make average and the checkpoints it averages (issue 45) --------------------------------
+    Mutation(
+        "average-not-divided", "common/after_training/average.py",
+        "(totals[key] / count).to(value.dtype)", "totals[key].to(value.dtype)",
+        (f"{AVERAGE}test_the_average_of_two_is_the_elementwise_mean_of_their_ema",),
+        "an average of two checkpoints holds their sum",
+    ),
+    Mutation(
+        "average-counters-of-the-oldest", "common/after_training/average.py",
+        "if key in totals else value.clone()", "if key in totals else state[key].clone()",
+        (f"{AVERAGE}test_the_average_of_two_is_the_elementwise_mean_of_their_ema",),
+        "BatchNorm's num_batches_tracked of an average is the oldest checkpoint's",
+    ),
+    Mutation(
+        "average-last-takes-the-oldest", "common/after_training/average.py",
+        "        found = newest_steps(folder)\n", "        found = newest_steps(folder)[::-1]\n",
+        (f"{AVERAGE}test_the_average_of_one_checkpoint_is_that_checkpoint",),
+        "LAST=k averages the oldest kept checkpoints",
+    ),
+    Mutation(
+        "average-batchnorm-not-recomputed", "common/after_training/average.py",
+        "    update_bn(counted(), model)\n", "",
+        (f"{AVERAGE}test_batchnorm_statistics_are_those_of_the_averaged_weights",),
+        "an average keeps the mean of BatchNorm statistics, which do not fit the averaged weights",
+    ),
+    Mutation(
+        "average-batchnorm-of-other-weights", "common/after_training/average.py",
+        "                    model.load_state_dict(averaged)\n", "                    pass\n",
+        (f"{AVERAGE}test_batchnorm_statistics_are_those_of_the_averaged_weights",),
+        "the averaged checkpoint holds freshly initialised weights with their BatchNorm statistics",
+    ),
+    Mutation(
+        "average-batchnorm-of-val-images", "recipes/timm_imagenet/spec.py",
+        "_evaluation_images(cfg, dist_info, cfg.data.train_split)",
+        "_evaluation_images(cfg, dist_info, cfg.data.val_split)",
+        (f"{AVERAGE}test_a_timm_resnet_gets_batchnorm_statistics_from_its_training_images",),
+        "make average fits BatchNorm's statistics to the validation images it is then evaluated on",
+    ),
+    Mutation(
+        "average-of-another-model", "common/after_training/average.py",
+        "            _check_same_run(chosen[0], found_dir)\n", "",
+        (f"{AVERAGE}test_checkpoints_of_another_model_are_one_line_and_exit_2[model-config]",
+         f"{AVERAGE}test_checkpoints_of_another_model_are_one_line_and_exit_2[recipe]"),
+        "checkpoints of two model configs are averaged into weights that fit neither",
+    ),
+    Mutation(
+        "average-not-read-by-name", "common/after_training/trained.py",
+        "    return bool(CHECKPOINT_DIR.match(name) or AVERAGE_DIR.match(name))",
+        "    return bool(CHECKPOINT_DIR.match(name))",
+        (f"{AVERAGE}test_eval_export_and_init_from_read_the_average_by_name",),
+        "make eval WHICH=average-last-3 says there is no such checkpoint",
+    ),
+    Mutation(
+        "average-in-the-layout", "common/after_training/average.py",
+        '    return f"average-{how}-{count}"', '    return f"AtomicDirectory_checkpoint_{count}0_force"',
+        (f"{AVERAGE}test_a_resume_never_takes_the_average_and_retention_leaves_it",),
+        "the averaged checkpoint is written as a checkpoint of the run, which retention deletes or a resume takes",
+    ),
+    Mutation(
+        "whole-weights-into-a-sharded-model", "common/after_training/trained.py",
+        "        elif is_sharded(model):", "        elif False:",
+        (f"{AVERAGE}test_dinov2_shards_of_two_ranks_average_into_weights_one_rank_evaluates_sharded_or_whole",),
+        "make eval of a dinov2_fsdp average with its model sharded says the checkpoint does not fit",
+    ),
+    Mutation(
+        "keep-best-k-pruned", "common/checkpoint/manager.py",
+        "        keep |= {found_dir.path for found_dir in self._kept_best()}\n", "",
+        (f"{KEEP_BEST_K}",),
+        "checkpoint.keep_best_k=3 keeps only the best, and make average BEST=3 has nothing to average",
+    ),
+    Mutation(
+        "keep-best-k-not-force", "common/checkpoint/manager.py",
+        "force = new_best or kept_best or milestone is not None", "force = new_best or milestone is not None",
+        (f"{KEEP_BEST_K}",),
+        "on the ISC, the k best checkpoints are not shipped by a sync",
     ),
 ]

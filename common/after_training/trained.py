@@ -5,7 +5,8 @@
 - its run directory (``runs/<recipe>/<name>``, holding ``.hydra/config.yaml``);
 - its checkpoint folder (``<run>/checkpoints``, or the ISC's ``CHECKPOINT_ARTIFACT_PATH``
   downloaded on its own), holding ``AtomicDirectory_checkpoint_<N>`` directories;
-- one checkpoint directory (``AtomicDirectory_checkpoint_<N>[_force]``).
+- one checkpoint directory (``AtomicDirectory_checkpoint_<N>[_force]``, or ``average-last-<k>`` /
+  ``average-best-<k>``, which ``make average`` writes into the checkpoint folder).
 
 The config is the run's own (``.hydra/config.yaml``, else the checkpoints' copy), checked against the
 recipe's schema as it is now, overrides on top. Nothing here writes: a run still training can be read.
@@ -24,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from common.checkpoint.layout import (
+    AVERAGE_DIR,
     CHECKPOINT_DIR,
     MANIFEST_FILE,
     NAME,
@@ -39,6 +41,7 @@ from common.checkpoint.layout import (
 from common.config import RunConfig
 from common.entry import CONFIG_ERRORS, CONFIG_FOLDER, check_resolves, config_error_line, recipe_schema, typed_config
 from common.errors import UserError
+from common.pytorch.fsdp import is_sharded
 
 CONFIG_FILE = Path(CONFIG_FOLDER) / "config.yaml"
 LATEST, BEST = "latest", "best"  # WHICH=: the newest valid checkpoint, the best by checkpoint.best_metric
@@ -67,14 +70,21 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments every command on a trained run takes: the run, ``--which`` checkpoint, and
     ``key=value`` overrides of its config (for :func:`open_run`)."""
     parser.add_argument("run", help="the run directory, its checkpoint folder, or one checkpoint directory")
-    parser.add_argument("--which", default=LATEST, help="latest (default), best, or a checkpoint directory's name")
+    parser.add_argument("--which", default=LATEST, help="latest (default), best, or a checkpoint directory's name "
+                                                         "(average-last-<k> too)")
     parser.add_argument("overrides", nargs="*", help="key=value changes to the run's config, e.g. data.root=...")
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is one a checkpoint directory is read by: a saved one's, or an average's."""
+    return bool(CHECKPOINT_DIR.match(name) or AVERAGE_DIR.match(name))
 
 
 def open_run(source: str | Path, which: str = LATEST, overrides: Sequence[str] = ()) -> TrainedRun:
     """The run ``source`` names (see the module) and its chosen checkpoint.
 
-    - ``which``: ``latest`` (newest valid), ``best`` (by ``checkpoint.best_metric``) or a checkpoint's name.
+    - ``which``: ``latest`` (newest valid), ``best`` (by ``checkpoint.best_metric``) or a checkpoint's name
+      (an average's too: never ``latest`` or ``best``).
     - ``overrides``: ``key=value`` changes to the run's config.
     - Raises a one-line :class:`UserError` for every problem.
     """
@@ -82,7 +92,7 @@ def open_run(source: str | Path, which: str = LATEST, overrides: Sequence[str] =
     if not path.exists():
         raise UserError(f"{path} does not exist: name a run directory, its checkpoint folder or one checkpoint")
     named = None
-    if CHECKPOINT_DIR.match(path.name) and (path / MANIFEST_FILE).is_file():
+    if is_checkpoint_name(path.name) and (path / MANIFEST_FILE).is_file():
         if which not in (LATEST, path.name):
             raise UserError(f"{path} is one checkpoint, so WHICH={which} does not apply: name its folder "
                             f"{path.parent} instead")
@@ -152,8 +162,9 @@ def _choose_checkpoint(folder: Path, which: str, best_metric: str, best_mode: st
         path = best.path
     else:
         path = folder / which
-        if not CHECKPOINT_DIR.match(which) or not path.is_dir():
-            names = ", ".join(found.path.name for found in committed_checkpoints(folder))
+        if not is_checkpoint_name(which) or not path.is_dir():
+            names = ", ".join([*(found.path.name for found in committed_checkpoints(folder)),
+                               *sorted(found.name for found in folder.iterdir() if AVERAGE_DIR.match(found.name))])
             raise UserError(f"WHICH={which} is not latest, best or a checkpoint in {folder} ({names})")
     try:
         return path, verify_checkpoint(path)
@@ -203,7 +214,7 @@ def load_model(model: torch.nn.Module, checkpoint: Path, state: dict[str, Any]) 
     """Load a checkpoint's model weights into ``model`` as the run saved them.
 
     - FSDP shards go through ``torch.distributed.checkpoint`` (collective, any number of ranks), else
-      ``state["model"]`` is loaded.
+      ``state["model"]`` is loaded (whole, into a sharded model too).
     - Raises a one-line :class:`UserError` when the weights do not fit the model.
     """
     try:
@@ -216,6 +227,10 @@ def load_model(model: torch.nn.Module, checkpoint: Path, state: dict[str, Any]) 
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(shards, checkpoint_id=str(checkpoint / SHARDED_DIR))
             set_model_state_dict(model, shards["model"])
+        elif is_sharded(model):  # whole weights (an average's) into a sharded model: each rank takes its shard
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True))
         else:
             model.load_state_dict(state["model"])
     except (RuntimeError, KeyError, ValueError) as error:

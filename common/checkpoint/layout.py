@@ -5,6 +5,7 @@ Checkpoint Artifacts ship): names, manifest, verification, and which checkpoint 
       AtomicDirectory_checkpoint_6_force/   the best by the chosen metric, or a stage milestone
       AtomicDirectory_checkpoint_7/         state.pt, sharded/ (FSDP), compile_cache.tar, manifest.json
       AtomicDirectory.latest_checkpoint -> /abs/path/checkpoints/AtomicDirectory_checkpoint_7
+      average-last-3/                       weights averaged by `make average`: read by name, never resumed
 
 The symlink is the commit point; what a crash at each moment leaves, and what is kept:
 docs/run-contract.md (the steps are in :meth:`common.checkpoint.manager.CheckpointManager.save`).
@@ -28,6 +29,7 @@ NAME = "AtomicDirectory"  # cycling_utils' default saver name, so ISC tools and 
 LATEST = f"{NAME}.latest_checkpoint"
 LATEST_TEMP = f"{LATEST}_temp"
 CHECKPOINT_DIR = re.compile(rf"^{NAME}_checkpoint_(\d+)(_force)?$")
+AVERAGE_DIR = re.compile(r"^average-(last|best)-(\d+)$")  # no <NAME>_checkpoint_<N>: resumes and the ISC ignore it
 TMP_PREFIX = ".tmp-"  # saves in progress and directories being deleted: no checkpoint to the ISC or AtomicDirectory
 STATE_FILE = "state.pt"
 SHARDED_DIR = "sharded"
@@ -140,6 +142,14 @@ def improves(value: float | None, best: float | None, mode: str) -> bool:
     if value is None or not math.isfinite(value):
         return False
     return best is None or (value > best if mode == "max" else value < best)
+
+
+def best_checkpoints(checkpoints: list[CheckpointDir], metric: str | None, mode: str) -> list[CheckpointDir]:
+    """The checkpoints with a finite value of ``metric``, best first (ties: the earlier first, as
+    :func:`best_checkpoint` takes)."""
+    scored = [found_dir for found_dir in checkpoints
+              if metric is not None and improves(found_dir.metrics.get(metric), None, mode)]
+    return sorted(scored, key=lambda found_dir: found_dir.metrics[metric], reverse=mode == "max")
 
 
 def best_checkpoint(checkpoints: list[CheckpointDir], metric: str | None, mode: str) -> CheckpointDir | None:

@@ -23,6 +23,7 @@ from common.checkpoint.layout import (
     CheckpointDir,
     CheckpointError,
     best_checkpoint,
+    best_checkpoints,
     checkpoint_dir_name,
     checkpoint_dirs,
     committed_checkpoints,
@@ -66,6 +67,8 @@ class CheckpointManager:
       always stay, and are ``_force`` so that an ISC sync ships them.
     - ``best_metric``, ``best_mode`` (``max`` or ``min``): the best checkpoint, by
       :func:`~common.checkpoint.layout.improves`; ``keep_best=False`` or no metric: none.
+    - ``keep_best_k``: the ``k`` best by ``best_metric`` stay too (for ``make average BEST=k``), each
+      ``_force`` when it ranks among them at its save; 0: the best alone, as ``keep_best`` says.
     - ``async_save``: copy the state (and each rank's shards) to host memory and write it in the
       background, at most one save in flight; call :meth:`wait` before the process exits.
     - ``N`` counts saves (the step is in the manifest): a step saved twice is a newer directory,
@@ -84,17 +87,21 @@ class CheckpointManager:
         keep_last: int = 2,
         keep_best: bool = True,
         best_metric: str | None = None,
+        keep_best_k: int = 0,
         best_mode: str = "max",
         async_save: bool = False,
         log: Callable[[str], None] = report_to_stderr,
     ) -> None:
         if keep_last < 1 and keep_last != KEEP_ALL:
             raise ValueError(f"keep_last must be at least 1, or {KEEP_ALL} to keep every checkpoint")
+        if keep_best_k < 0:
+            raise ValueError(f"keep_best_k must be 0 or more, not {keep_best_k}")
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be max or min, not {best_mode!r}")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.keep_best = keep_best and best_metric is not None
+        self.keep_best_k = keep_best_k if best_metric is not None else 0
         self.best_metric = best_metric
         self.best_mode = best_mode
         self.async_save = async_save
@@ -103,6 +110,7 @@ class CheckpointManager:
         self._background = BackgroundWriter()
         self._background_size = 0  # bytes of the save in flight, for the message if it fails
         self._best_value: float | None = None
+        self._kept_best_values: list[float] = []  # of the keep_best_k best so far, best first
         # Background shard writes agree over a gloo group of their own: their collectives run in
         # another thread than the training loop's, and must not interleave with them.
         self._shard_group = distributed.gloo_group() if async_save and dist.is_initialized() else None
@@ -114,6 +122,7 @@ class CheckpointManager:
             next_index = found[-1].index + 1 if found else 0
             best = self.best()
             self._best_value = best.metrics[self.best_metric] if best is not None else None
+            self._kept_best_values = [found_dir.metrics[self.best_metric] for found_dir in self._kept_best()]
         self._next_index: int = distributed.broadcast_object(next_index)
 
     def _remove_uncommitted(self) -> None:
@@ -178,7 +187,10 @@ class CheckpointManager:
             except OSError as error:
                 failure = self._write_failure(error, size)
         self._raise_if_any_rank_failed(failure)  # also the barrier before every rank writes into tmp
-        force = self._is_new_best(metrics) or milestone is not None if self.is_main else False
+        force = False
+        if self.is_main:  # both asked: each updates what it tracks
+            new_best, kept_best = self._is_new_best(metrics), self._ranks_among_kept_best(metrics)
+            force = new_best or kept_best or milestone is not None
         final = self.directory / checkpoint_dir_name(index, force)
         manifest = {"format": 2, "step": step, "metrics": metrics, "milestone": milestone}
         if config is not None:
@@ -221,6 +233,18 @@ class CheckpointManager:
         if not self.keep_best or not improves(value, self._best_value, self.best_mode):
             return False
         self._best_value = value
+        return True
+
+    def _ranks_among_kept_best(self, metrics: dict[str, float]) -> bool:
+        """Whether ``metrics`` rank among the ``keep_best_k`` best so far (then it is kept, and ``_force``)."""
+        value = metrics.get(self.best_metric)
+        values = self._kept_best_values
+        if not self.keep_best_k or not improves(value, values[-1] if len(values) == self.keep_best_k else None,
+                                                self.best_mode):
+            return False
+        values.append(value)
+        values.sort(reverse=self.best_mode == "max")
+        del values[self.keep_best_k :]
         return True
 
     def _write(self, tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any],
@@ -278,6 +302,11 @@ class CheckpointManager:
             return None
         return best_checkpoint(committed_checkpoints(self.directory), self.best_metric, self.best_mode)
 
+    def _kept_best(self) -> list[CheckpointDir]:
+        """The ``keep_best_k`` committed checkpoints with the best ``best_metric``, best first."""
+        return best_checkpoints(committed_checkpoints(self.directory), self.best_metric, self.best_mode)[
+            : self.keep_best_k]
+
     def _prune(self) -> None:
         if self.keep_last == KEEP_ALL:
             return
@@ -292,6 +321,7 @@ class CheckpointManager:
         best = self.best()
         if best is not None:
             keep.add(best.path)
+        keep |= {found_dir.path for found_dir in self._kept_best()}
         for found_dir in committed:
             if found_dir.path not in keep:
                 self._delete(found_dir.path)

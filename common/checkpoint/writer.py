@@ -57,10 +57,20 @@ def write_checkpoint(directory: Path, tmp: Path, final: Path, state: dict[str, A
                      attachments: tuple[Attachment, ...] = ()) -> None:
     """Write rank 0's part of a checkpoint into ``tmp`` and commit it as ``final`` in ``directory``.
 
-    - Writes ``attachments``, ``state.pt`` (hashed as it is written) and the manifest, each fsynced;
-      lists the files of ``sharded/`` that the ranks already wrote.
-    - Then verifies the sizes, renames ``tmp`` to ``final`` and moves the symlink onto it: a crash at
-      any point leaves the previous checkpoint as the latest.
+    - Writes its files (:func:`write_checkpoint_files`), renames ``tmp`` to ``final`` and moves the
+      symlink onto it: a crash at any point leaves the previous checkpoint as the latest.
+    """
+    write_checkpoint_files(tmp, state, manifest, attachments)
+    os.rename(tmp, final)
+    fsync_dir(directory)
+    point_latest_at(directory, final)
+
+
+def write_checkpoint_files(tmp: Path, state: dict[str, Any], manifest: dict[str, Any],
+                           attachments: tuple[Attachment, ...] = ()) -> None:
+    """Write ``attachments``, ``state.pt`` (hashed as it is written) and the manifest into ``tmp``, each fsynced.
+
+    - Lists the files of ``sharded/`` that the ranks already wrote; verifies the sizes.
     """
     files: dict[str, dict[str, Any]] = {}
     for attachment in attachments:
@@ -87,9 +97,6 @@ def write_checkpoint(directory: Path, tmp: Path, final: Path, state: dict[str, A
         os.fsync(handle.fileno())
     fsync_dir(tmp)
     verify_checkpoint(tmp, digests=False)  # the digests were taken from the bytes as they were written
-    os.rename(tmp, final)
-    fsync_dir(directory)
-    point_latest_at(directory, final)
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -83,6 +83,7 @@ class TrainingRun:
             checkpoint.dir,
             keep_last=KEEP_ALL if is_artifact_path(checkpoint.dir) else checkpoint.keep_last,
             keep_best=checkpoint.keep_best,
+            keep_best_k=checkpoint.keep_best_k,
             best_metric=checkpoint.best_metric,
             best_mode=checkpoint.best_mode,
             async_save=checkpoint.async_save,

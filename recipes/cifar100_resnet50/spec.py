@@ -10,6 +10,7 @@ stem (3x3 stride-1 first conv, no max-pool) is not a timm architecture, so
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,16 @@ def evaluator(cfg: Cifar100ResNet50Config, dist_info: DistInfo, split: str) -> E
     return evaluate
 
 
+def train_inputs(cfg: Cifar100ResNet50Config, dist_info: DistInfo) -> Iterator[torch.Tensor]:
+    """The training images normalised, without augmentation or mixing, in the order of the first epoch."""
+    images = cifar100.load_split(cfg.data.root, "train", prep="cifar100_resnet50").images.to(dist_info.device)
+    normalize = Normalize(MEAN, STD, dist_info.device, input_max=1)
+    sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, seed=cfg.seed,
+                                          shuffle=True, drop_last=True)
+    return (normalize(images[batch].float() / 255.0)
+            for batch in sampler.index_batches(cfg.trainer.batch_size, images.device))
+
+
 INPUT_SIZE = [3, 32, 32]
 
 
@@ -90,4 +101,5 @@ SPEC = RecipeSpec(
     export_metadata=export_metadata,
     model_from_export=model_from_export,
     predict_input=predict_input,
+    train_inputs=train_inputs,
 )

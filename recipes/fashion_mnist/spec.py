@@ -8,6 +8,7 @@ The export keeps the model's own tensor names (a plain ``nn.Sequential``):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,15 @@ def evaluator(cfg: FashionMNISTConfig, dist_info: DistInfo, split: str) -> Evalu
     return evaluate
 
 
+def train_inputs(cfg: FashionMNISTConfig, dist_info: DistInfo) -> Iterator[torch.Tensor]:
+    """The training images normalised, without random crops or flips, in the order of the first epoch."""
+    images, _ = load_split(cfg.data.root, "train")
+    images = images.to(dist_info.device)
+    sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, seed=cfg.seed,
+                                          shuffle=True, drop_last=True)
+    return (normalize(images[batch]) for batch in sampler.index_batches(cfg.trainer.batch_size, images.device))
+
+
 def head_names(model_cfg: ModelConfig) -> list[str]:
     """The last layer, the classifier."""
     return [f"{len(build_model(model_cfg)) - 1}."]
@@ -81,4 +91,5 @@ SPEC = RecipeSpec(
     export_metadata=export_metadata,
     model_from_export=model_from_export,
     predict_input=predict_input,
+    train_inputs=train_inputs,
 )

@@ -9,6 +9,7 @@ in the order of the classifier's outputs.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +54,33 @@ def process_group(cfg: TimmImageNetConfig) -> dict[str, bool]:
     return process_group_options(cfg.fsdp.enabled, cfg.fsdp.cpu_offload)
 
 
-def evaluator(cfg: TimmImageNetConfig, dist_info: DistInfo, split: str) -> Evaluate:
-    """Loss, top-1 and top-5 over the val folder (or its shards) with timm's evaluation transform
-    (resize, centre crop; normalised on the device), each image counted once across ranks."""
+def _evaluation_images(cfg: TimmImageNetConfig, dist_info: DistInfo, split: str) -> tuple[EvalImages, dict[str, Any]]:
+    """A split's images with timm's evaluation transform (resize, centre crop), and its data config."""
     if cfg.data.format == DataFormat.files:
         check_layout(cfg.data.root, cfg.data.train_split, cfg.data.val_split)
-    source, classes, _ = split_images(cfg.data, cfg.data.val_split, cfg.run_dir, dist_info.local_rank)
+    source, classes, _ = split_images(cfg.data, split, cfg.run_dir, dist_info.local_rank)
     with torch.device("meta"):  # only its data config (size, interpolation, mean and std) is read
         eval_config = resolve(build_model(cfg.model, len(classes), pretrained=False), cfg.data.eval_size,
                               cfg.data.eval_crop_pct, cfg.data.interpolation)
-    images = EvalImages(source, eval_transform(eval_config))
+    return EvalImages(source, eval_transform(eval_config)), eval_config
+
+
+def train_inputs(cfg: TimmImageNetConfig, dist_info: DistInfo) -> Iterator[torch.Tensor]:
+    """The training split with timm's evaluation transform, normalised on the device, in the order of the first
+    epoch: images as the model sees them without random augmentation."""
+    images, eval_config = _evaluation_images(cfg, dist_info, cfg.data.train_split)
+    sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, seed=cfg.seed,
+                                          shuffle=True, drop_last=True)
+    loader = make_loader(images, sampler, cfg.trainer.batch_size, cfg.trainer.num_workers,
+                         dist_info.device.type == "cuda", drop_last=True)
+    normalize = Normalize(eval_config["mean"], eval_config["std"], dist_info.device)
+    return (normalize(batch) for batch, _ in loader)
+
+
+def evaluator(cfg: TimmImageNetConfig, dist_info: DistInfo, split: str) -> Evaluate:
+    """Loss, top-1 and top-5 over the val folder (or its shards) with timm's evaluation transform
+    (resize, centre crop; normalised on the device), each image counted once across ranks."""
+    images, eval_config = _evaluation_images(cfg, dist_info, cfg.data.val_split)
     sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,
                                           drop_last=False)
     loader = make_loader(images, sampler, cfg.trainer.eval_batch_size, cfg.trainer.num_workers,
@@ -117,5 +135,6 @@ SPEC = RecipeSpec(
     export_metadata=export_metadata,
     model_from_export=model_from_export,
     predict_input=predict_input,
+    train_inputs=train_inputs,
     process_group=process_group,
 )
