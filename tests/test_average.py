@@ -32,7 +32,8 @@ from recipes.timm_imagenet.model import build_model as timm_model
 from recipes.timm_imagenet.spec import train_inputs as timm_train_inputs
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.recipe_probe import CPU
-from tests.trained_runs import TINY, cifar_run, dinov2_run, evaluate_here, fashion_run, imagenet_data
+from tests.test_predict import fashion_pngs, predict_here
+from tests.trained_runs import TINY, cifar_run, dinov2_run, evaluate_here, fashion_data, fashion_run, imagenet_data
 
 BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -129,8 +130,8 @@ def test_a_timm_resnet_gets_batchnorm_statistics_from_its_training_images(
         average_run(folder, "last", 2, bn_batches=1, overrides=["model.name=test_efficientnet"])
 
 
-def test_eval_export_and_init_from_read_the_average_by_name(tmp_path_factory: pytest.TempPathFactory,
-                                                            tmp_path: Path) -> None:
+def test_eval_export_predict_and_init_from_read_the_average_by_name(tmp_path_factory: pytest.TempPathFactory,
+                                                                    tmp_path: Path) -> None:
     run = copied(fashion_run(tmp_path_factory), tmp_path)
     written = average_run(run, "best", 2, bn_batches=2)
     state = averaged_state(written)
@@ -140,6 +141,9 @@ def test_eval_export_and_init_from_read_the_average_by_name(tmp_path_factory: py
     assert read_metadata(export)["source"]["checkpoint"] == str(written.resolve())
     exported = read_export_weights(export, read_metadata(export))
     assert all(torch.equal(exported[key], value) for key, value in state.items())
+    fashion_pngs(fashion_data(tmp_path_factory), tmp_path / "pngs")
+    by_name = predict_here(run, tmp_path / "pngs", tmp_path / "by_name", "--which", "average-best-2")
+    assert by_name == predict_here(export, tmp_path / "pngs", tmp_path / "from_export")
     cfg = open_run(written).cfg
     model = build_model(cfg.model)
     line = initialize_model(model, cfg.model, "fashion_mnist", str(written), skip_head=False)

@@ -1182,7 +1182,7 @@ MUTATIONS: list[Mutation] = [
         "average-not-read-by-name", "common/after_training/trained.py",
         "    return bool(CHECKPOINT_DIR.match(name) or AVERAGE_DIR.match(name))",
         "    return bool(CHECKPOINT_DIR.match(name))",
-        (f"{AVERAGE}test_eval_export_and_init_from_read_the_average_by_name",),
+        (f"{AVERAGE}test_eval_export_predict_and_init_from_read_the_average_by_name",),
         "make eval WHICH=average-last-3 says there is no such checkpoint",
     ),
     Mutation(
