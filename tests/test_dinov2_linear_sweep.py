@@ -162,3 +162,32 @@ def test_a_sharded_probe_only_sweep_ends_with_the_best_head_and_exports_without_
     exported = export_run(open_run(run_dir), tmp_path / "export")
     names = set(load_file(exported / "model.safetensors"))
     assert {"classifier.weight", "classifier.bias"} <= names and not any("probe_heads" in name for name in names)
+
+
+def test_under_fsdp2_the_best_head_is_written_to_the_shards_when_the_root_holds_gathered_weights(
+    tmp_path: Path,
+) -> None:
+    """Before torch 2.14 an evaluation (a forward without gradients) leaves the FSDP2 root's weights
+    gathered, and the module then holds those copies: the best head must still reach the shards."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import Dinov2Model
+
+    from common.pytorch.fsdp import fully_shard_blocks
+    from recipes.dinov2_fsdp.model import DinoClassifier, ProbeHead
+    from tests.test_dinov2_fsdp import tiny_dinov2_config
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = DinoClassifier(Dinov2Model(tiny_dinov2_config()), "transformers", "cls",
+                               [ProbeHead(0.05, "cls"), ProbeHead(0.01, "cls")])
+        fully_shard_blocks(model, model.blocks, bf16_parameters=True, reshard_after_forward=True, cpu_offload=False)
+        model.unshard()  # the root's weights gathered, as an evaluation leaves them before torch 2.14
+        model.take_probe_head(1)
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    finally:
+        dist.destroy_process_group()
+    for name in ("weight", "bias"):
+        assert torch.equal(state[f"head.{name}"], state[f"probe_heads.heads.1.{name}"]), name
+    assert not torch.equal(state["head.weight"], state["probe_heads.heads.0.weight"])

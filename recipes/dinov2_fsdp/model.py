@@ -148,7 +148,7 @@ class DinoClassifier(nn.Module):
         did not read, so it computes the same logits), and the forward reads ``head`` again."""
         from torch.distributed.fsdp import FSDPModule
 
-        if isinstance(self, FSDPModule):  # an evaluation may leave the root's weights gathered: write the shards
+        if isinstance(self, FSDPModule):  # before torch 2.14 an evaluation leaves the root's weights gathered
             self.reshard()
         source, columns = self.probe_heads.heads[index], self.probe_heads.columns[index]
         weight = _local(self.head.weight)
