@@ -288,6 +288,8 @@ def test_eval_batches_count_every_sample_once_with_equal_batches_per_rank(num_sa
         ("fsdp.cpu_offload=true", "fsdp.cpu_offload moves GPU state to host memory: it needs device=cuda"),
         ("probe.lrs=[0.01,0.0]", "probe.lrs=[0.01, 0.0] must be distinct LRs above 0, one per head"),
         ("probe.lrs=[0.01,0.01]", "probe.lrs=[0.01, 0.01] must be distinct LRs above 0, one per head"),
+        ("probe.lrs=[0.01,0.02] stages.probe_epochs=0", "probe.lrs and probe.feature_variants sweep the probe's "
+                                                       "heads, and stages.probe_epochs=0 has no probe"),
         ("probe.feature_variants=true", "probe.feature_variants=true trains a head on each part of model.features, "
                                         "and model.features=cls has one: set model.features=cls_patch_mean, cls4"),
     ],
@@ -298,7 +300,7 @@ def test_settings_the_recipe_cannot_honour_are_refused(tmp_path: Path, override:
     from common.pytorch.distributed import DistInfo
     from recipes.dinov2_fsdp.spec import check_settings
 
-    cfg = compose_config(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", override])
+    cfg = compose_config(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", *override.split()])
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")
     with pytest.raises(UserError, match=re.escape(message)):
         check_settings(cfg, cpu)

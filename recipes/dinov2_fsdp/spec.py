@@ -57,6 +57,9 @@ def check_settings(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
     lrs = list(cfg.probe.lrs)
     if any(lr <= 0 for lr in lrs) or len(set(lrs)) < len(lrs):
         raise UserError(f"probe.lrs={lrs} must be distinct LRs above 0, one per head")
+    if cfg.stages.probe_epochs == 0 and len(probe_heads(cfg)) > 1:
+        raise UserError("probe.lrs and probe.feature_variants sweep the probe's heads, and stages.probe_epochs=0 has "
+                        "no probe: set stages.probe_epochs to 1 or more, or leave the sweep out")
     if cfg.probe.feature_variants and cfg.model.features == "cls":
         raise UserError("probe.feature_variants=true trains a head on each part of model.features, and model.features"
                         "=cls has one: set model.features=cls_patch_mean, cls4 or cls4_patch_mean (DINOv2's sweep)")

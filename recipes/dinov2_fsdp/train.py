@@ -133,11 +133,11 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
     stage = Stage(progress.extra.setdefault("stage", stage_of_epoch(0).value))
     optimizer, scheduler = start_stage(stage)
     run.track_optimizer(optimizer, scheduler, restore=True)
-    probing = f"probe lrs {', '.join(f'{lr:g}' for lr in probe_lrs)} ({len(heads)} heads)" if sweeping \
+    probe_line = f"probe lrs {', '.join(f'{lr:g}' for lr in probe_lrs)} ({len(heads)} heads)" if sweeping \
         else f"probe lr {probe_lrs[0]:g}"
     run.console(
         f"dinov2_fsdp: {cfg.model.name} at {cfg.model.image_size}px, {dist_info.world_size} rank(s) on "
-        f"{device.type}{' with FSDP2' if sharded else ''}, {plan.describe()}, {probing}, "
+        f"{device.type}{' with FSDP2' if sharded else ''}, {plan.describe()}, {probe_line}, "
         f"{probe_steps} probe + {plan.total - probe_steps} fine-tune steps"
     )
 
@@ -147,8 +147,8 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
         if not model.probing:
             return run.log_eval(metrics)
         table = [{"head": head.name, "lr": head.lr, "features": head.features.value}
-                 | {name.rsplit("/", 1)[1]: metrics[f"eval/probe/{head.name}/{name.rsplit('/', 1)[1]}"]
-                    for name in ("eval/loss", "eval/top1", "eval/top5")} for head in heads]
+                 | {metric: metrics[f"eval/probe/{head.name}/{metric}"] for metric in ("loss", "top1", "top5")}
+                 for head in heads]
         progress.extra["probe"] = {"step": progress.step, "heads": table, "best": best_head(metrics, heads)}
         return run.log_eval(metrics, headline=["eval/loss", "eval/top1", "eval/top5"])
 
