@@ -288,6 +288,7 @@ def test_eval_batches_count_every_sample_once_with_equal_batches_per_rank(num_sa
         ("fsdp.cpu_offload=true", "fsdp.cpu_offload moves GPU state to host memory: it needs device=cuda"),
         ("probe.lrs=[0.01,0.0]", "probe.lrs=[0.01, 0.0] must be distinct LRs above 0, one per head"),
         ("probe.lrs=[0.01,0.01]", "probe.lrs=[0.01, 0.01] must be distinct LRs above 0, one per head"),
+        ("probe.lrs=[0.01,0.0100000001]", "probe.lrs=[0.01, 0.0100000001] must be distinct LRs above 0"),  # one name
         ("probe.lrs=[0.01,0.02] stages.probe_epochs=0", "probe.lrs and probe.feature_variants sweep the probe's "
                                                        "heads, and stages.probe_epochs=0 has no probe"),
         ("probe.feature_variants=true", "probe.feature_variants=true trains a head on each part of model.features, "

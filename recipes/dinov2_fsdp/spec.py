@@ -55,7 +55,7 @@ def check_settings(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
     if cfg.fsdp.cpu_offload and dist_info.device.type != "cuda":
         raise UserError("fsdp.cpu_offload moves GPU state to host memory: it needs device=cuda")
     lrs = list(cfg.probe.lrs)
-    if any(lr <= 0 for lr in lrs) or len(set(lrs)) < len(lrs):
+    if any(lr <= 0 for lr in lrs) or len({f"{lr:g}" for lr in lrs}) < len(lrs):  # as heads are named
         raise UserError(f"probe.lrs={lrs} must be distinct LRs above 0, one per head")
     if cfg.stages.probe_epochs == 0 and len(probe_heads(cfg)) > 1:
         raise UserError("probe.lrs and probe.feature_variants sweep the probe's heads, and stages.probe_epochs=0 has "
