@@ -86,6 +86,8 @@ class RecipeSpec:
     - Default :func:`same_names`: the model's own names, nothing renamed.
     """
     head_names: Callable[[Any], list[str]]  # ``(model_cfg)``: the classifier's prefixes, in the model's names
+    # prefixes of tensors only training uses (dinov2_fsdp's probe heads): an export and init_from leave them out
+    training_only: tuple[str, ...] = ()
     export_metadata: Callable[[Any], dict[str, Any]]  # ``(cfg)``: input, classes, how a library loads it
     model_from_export: Callable[[Any, dict[str, Any], Path], nn.Module]  # ``(model_cfg, metadata, folder)``
     export_files: dict[str, str] = field(default_factory=dict)  # export name prefix -> file, beside model.safetensors

@@ -286,6 +286,13 @@ def test_eval_batches_count_every_sample_once_with_equal_batches_per_rank(num_sa
         ("stages.probe_epochs=4", "stages.probe_epochs=4 must be between 0 and trainer.epochs=3"),
         ("trainer.precision=fp16", "trainer.precision=fp16 is not supported here"),
         ("fsdp.cpu_offload=true", "fsdp.cpu_offload moves GPU state to host memory: it needs device=cuda"),
+        ("probe.lrs=[0.01,0.0]", "probe.lrs=[0.01, 0.0] must be distinct LRs above 0, one per head"),
+        ("probe.lrs=[0.01,0.01]", "probe.lrs=[0.01, 0.01] must be distinct LRs above 0, one per head"),
+        ("probe.lrs=[0.01,0.0100000001]", "probe.lrs=[0.01, 0.0100000001] must be distinct LRs above 0"),  # one name
+        ("probe.lrs=[0.01,0.02] stages.probe_epochs=0", "probe.lrs and probe.feature_variants sweep the probe's "
+                                                       "heads, and stages.probe_epochs=0 has no probe"),
+        ("probe.feature_variants=true", "probe.feature_variants=true trains a head on each part of model.features, "
+                                        "and model.features=cls has one: set model.features=cls_patch_mean, cls4"),
     ],
 )
 def test_settings_the_recipe_cannot_honour_are_refused(tmp_path: Path, override: str, message: str) -> None:
@@ -294,10 +301,51 @@ def test_settings_the_recipe_cannot_honour_are_refused(tmp_path: Path, override:
     from common.pytorch.distributed import DistInfo
     from recipes.dinov2_fsdp.spec import check_settings
 
-    cfg = compose_config(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", override])
+    cfg = compose_config(RECIPE, ["trainer.epochs=3", f"run_dir={tmp_path}", *override.split()])
     cpu = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), launcher="single")
     with pytest.raises(UserError, match=re.escape(message)):
         check_settings(cfg, cpu)
+
+
+def _backbone(library: str, blocks: int) -> torch.nn.Module:
+    """A tiny randomly initialised backbone of ``library`` with ``blocks`` transformer blocks (28 or 32 px)."""
+    if library == "timm":
+        import timm
+
+        return timm.create_model("test_vit", pretrained=False, num_classes=0, img_size=32, depth=blocks)
+    from transformers import Dinov2Model
+
+    config = tiny_dinov2_config()
+    config.num_hidden_layers, config.image_size = blocks, 28
+    return Dinov2Model(config)
+
+
+@pytest.mark.parametrize("library", ["transformers", "timm"])
+def test_the_last_four_blocks_class_tokens_are_read_from_one_forward(library: str) -> None:
+    """``model.features=cls4_patch_mean`` (DINOv2's n_last_blocks=4 with avgpool): the class tokens of
+    the last 4 blocks, each through the final norm, then the last block's mean patch token; a backbone
+    of fewer blocks is refused in one line."""
+    from common.errors import UserError
+    from recipes.dinov2_fsdp.model import DinoClassifier
+
+    model = DinoClassifier(_backbone(library, 5), library, "cls4_patch_mean").eval()
+    norm = model.backbone.layernorm if library == "transformers" else model.backbone.norm
+    outputs = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, output: outputs.append(
+            output[0] if isinstance(output, tuple) else output))
+    size = 28 if library == "transformers" else 32
+    images = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        features = model.head_input(images)
+        expected = [norm(output[:, 0]) for output in outputs[-4:]]
+        expected.append(norm(outputs[-1])[:, model.num_prefix_tokens :].mean(dim=1))
+    assert len(outputs) == 5  # one forward of the backbone
+    assert features.shape == (2, 5 * model.embed_dim) and model.head.in_features == 5 * model.embed_dim
+    torch.testing.assert_close(features, torch.cat(expected, dim=-1))
+    with pytest.raises(UserError, match="model.features=cls4 reads the class tokens of the last 4 blocks, and this "
+                                        "backbone has 3"):
+        DinoClassifier(_backbone(library, 3), library, "cls4")
 
 
 def test_transformers_architectures_build_offline_from_the_table() -> None:

@@ -55,6 +55,7 @@ AVERAGE = "tests/test_average.py::"
 KEEP_BEST_K = "tests/test_checkpoint.py::test_keep_best_k_keeps_the_k_best_each_force_when_it_ranked_among_them"
 CHECKPOINT_KILLED = ("tests/test_checkpoint.py::"
                      "test_a_save_killed_at_any_point_leaves_a_loadable_latest_and_nothing_half_done")
+SWEEP = "tests/test_dinov2_linear_sweep.py::"
 
 PREDICT = "tests/test_predict.py::"
 PREDICTED_SPLIT = f"{PREDICT}test_predicting_the_evaluation_split_gives_the_top1_make_eval_reports"
@@ -365,8 +366,8 @@ MUTATIONS: list[Mutation] = [
     ),
     Mutation(
         "dinov2-finetune-lr-ratio-ignored", "recipes/dinov2_fsdp/train.py",
-        "lr, steps = probe_lr * cfg.stages.finetune_lr_ratio, plan.total - probe_steps",
-        "lr, steps = probe_lr, plan.total - probe_steps",
+        "lr, steps = probe_lrs[best] * cfg.stages.finetune_lr_ratio, plan.total - probe_steps",
+        "lr, steps = probe_lrs[best], plan.total - probe_steps",
         (f"{KEY}[dinov2_fsdp-stages.finetune_lr_ratio]",),
         "the fine-tune stage trains the whole backbone at the probe's LR",
     ),
@@ -1208,5 +1209,63 @@ MUTATIONS: list[Mutation] = [
         "force = new_best or kept_best or milestone is not None", "force = new_best or milestone is not None",
         (f"{KEEP_BEST_K}",),
         "on the ISC, the k best checkpoints are not shipped by a sync",
+    ),
+    # ---- dinov2_fsdp's linear-evaluation sweep (issue 46, item 3) --------------------------------
+    Mutation(
+        "probe-one-lr-grows-probe-heads", "recipes/dinov2_fsdp/spec.py",
+        "    return heads if len(heads) > 1 else []\n", "    return heads\n",
+        (f"{SWEEP}test_one_probe_lr_is_the_plain_probe_and_ends_with_its_digest",),
+        "a run with one probe LR no longer ends with the digest it had before the sweep existed",
+    ),
+    Mutation(
+        "probe-heads-losses-averaged", "recipes/dinov2_fsdp/train.py",
+        "for head in logits]).sum()", "for head in logits]).mean()",
+        (f"{SWEEP}test_each_head_trains_as_alone_at_its_lr_on_one_backbone_forward",),
+        "each head's gradient shrinks with the number of heads: a head trains differently in a sweep than alone",
+    ),
+    Mutation(
+        "probe-heads-share-one-lr", "recipes/dinov2_fsdp/train.py",
+        'group | {"lr": lr}', 'group | {"lr": lrs[0]}',
+        (f"{SWEEP}test_each_head_trains_as_alone_at_its_lr_on_one_backbone_forward",),
+        "every head of the sweep trains at the first LR: the sweep compares nothing",
+    ),
+    Mutation(
+        "probe-best-head-not-taken", "recipes/dinov2_fsdp/train.py",
+        "        model.take_probe_head(best)\n", "",
+        (f"{SWEEP}test_every_variant_is_evaluated_and_the_fine_tune_starts_from_the_best",
+         f"{SWEEP}test_a_sharded_probe_only_sweep_ends_with_the_best_head_and_exports_without_the_others"),
+        "the fine-tune starts from an untrained head, whatever the sweep found",
+    ),
+    Mutation(
+        "probe-head-columns-from-the-first-block", "recipes/dinov2_fsdp/model.py",
+        "    start = (class_tokens(features) - class_tokens(part)) * width\n", "    start = 0\n",
+        (f"{SWEEP}test_every_variant_is_evaluated_and_the_fine_tune_starts_from_the_best",),
+        "a head of the last block's class token reads the fourth-last block's: DINOv2's variants are mislabelled",
+    ),
+    Mutation(
+        "probe-best-written-to-gathered-weights", "recipes/dinov2_fsdp/model.py",
+        "            self.reshard()\n", "            pass\n",
+        (f"{SWEEP}test_under_fsdp2_the_best_head_is_written_to_the_shards_when_the_root_holds_gathered_weights",),
+        "under FSDP2 the best head is copied into the root's gathered weights and lost when they are freed",
+    ),
+    Mutation(
+        "probe-finetune-lr-of-the-first-head", "recipes/dinov2_fsdp/train.py",
+        'best = progress.extra["probe"]["best"] if sweeping else 0', "best = 0",
+        (f"{SWEEP}test_every_variant_is_evaluated_and_the_fine_tune_starts_from_the_best",),
+        "the fine-tune's LR follows the sweep's first head, not the one it starts from",
+    ),
+    Mutation(
+        "probe-heads-exported", "common/after_training/export.py",
+        "    weights = {key: value for key, value in weights.items() if not key.startswith(spec.training_only)}\n",
+        "",
+        (f"{SWEEP}test_a_sharded_probe_only_sweep_ends_with_the_best_head_and_exports_without_the_others",),
+        "make export of a sweep run fails: its probe heads have no export name",
+    ),
+    Mutation(
+        "probe-four-blocks-read-one", "recipes/dinov2_fsdp/model.py",
+        "    return 4 if features in (Features.cls4, Features.cls4_patch_mean) else 1\n",
+        "    return 1\n",
+        ("tests/test_dinov2_fsdp.py::test_the_last_four_blocks_class_tokens_are_read_from_one_forward",),
+        "model.features=cls4 reads the last block's class token alone",
     ),
 ]

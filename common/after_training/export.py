@@ -114,6 +114,7 @@ def export_run(run: TrainedRun, out: Path) -> Path:
 
     spec = load_recipe(run.recipe)
     weights, kind = checkpoint_weights(run.checkpoint, read_state(run.checkpoint))
+    weights = {key: value for key, value in weights.items() if not key.startswith(spec.training_only)}
     exported = rename(weights, spec.export_names(run.cfg.model), to_export=True)
     files: dict[str, dict[str, torch.Tensor]] = {}
     routes = sorted(spec.export_files.items(), key=lambda route: len(route[0]), reverse=True)

@@ -31,7 +31,9 @@ def _source_weights(source: str) -> tuple[dict[str, torch.Tensor], str]:
                                                      f"export {path}")
     run = open_run(path, LATEST)
     weights, kind = checkpoint_weights(run.checkpoint)
-    exported = rename(weights, load_recipe(run.recipe).export_names(run.cfg.model), to_export=True)
+    spec = load_recipe(run.recipe)
+    weights = {key: value for key, value in weights.items() if not key.startswith(spec.training_only)}
+    exported = rename(weights, spec.export_names(run.cfg.model), to_export=True)
     return exported, f"the {kind} weights of {run.checkpoint} ({run.recipe}, step {run.manifest['step']})"
 
 
@@ -60,7 +62,10 @@ def initialize_model(model: torch.nn.Module, model_cfg: Any, recipe: str, source
     head = tuple(target.head_names(model_cfg))
     heads = head if skip_head else ()
     state = {key: value for key, value in renamed.items() if not key.startswith(heads)}
-    shapes = {key: shape for key, shape in _model_shapes(model, sharded).items() if not key.startswith(heads)}
+    all_shapes = _model_shapes(model, sharded)
+    kept = heads + target.training_only  # tensors the model keeps as built (training-only ones: the probe's heads)
+    shapes = {key: shape for key, shape in all_shapes.items() if not key.startswith(kept)}
+    strict = len(shapes) == len(all_shapes)  # every tensor of the model loaded
     for key, shape in shapes.items():
         hint = "; init_skip_head=true leaves the classifier head out" if key.startswith(head) else ""
         if key not in state:
@@ -75,8 +80,8 @@ def initialize_model(model: torch.nn.Module, model_cfg: Any, recipe: str, source
     if sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=not heads))
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
     else:
-        model.load_state_dict(state, strict=not heads)
+        model.load_state_dict(state, strict=strict)
     left_out = f", without the classifier head ({', '.join(heads)})" if heads else ""
     return f"{description}{left_out}"

@@ -42,8 +42,10 @@ class Progress:
     evaluation_owed: bool = False
 
     def describe(self) -> str:
-        """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``)."""
-        return ", ".join([f"step {self.step}", f"epoch {self.epoch}", *(f"{k} {v}" for k, v in self.extra.items())])
+        """``step 12, epoch 3`` and the recipe's own counters (``stage finetune``), not its tables
+        (dinov2's probe heads)."""
+        return ", ".join([f"step {self.step}", f"epoch {self.epoch}",
+                          *(f"{k} {v}" for k, v in self.extra.items() if not isinstance(v, (dict, list)))])
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Take a checkpoint's counters, in place.

@@ -26,8 +26,13 @@ class Library(str, Enum):
 
 
 class Features(str, Enum):
+    """What the head reads: the class token of the last block or (``cls4``) of each of the last 4, as
+    DINOv2's eval/linear.py (``n_last_blocks``), optionally followed by the last block's mean patch token."""
+
     cls = "cls"  # the CLS token
     cls_patch_mean = "cls_patch_mean"  # CLS token concatenated with the mean of the patch tokens
+    cls4 = "cls4"  # the CLS tokens of the last 4 blocks (each normalised), concatenated
+    cls4_patch_mean = "cls4_patch_mean"  # those 4, then the last block's mean patch token
 
 
 @dataclass
@@ -60,6 +65,18 @@ class StagesConfig:
 
 
 @dataclass
+class ProbeConfig:
+    """DINOv2's linear-evaluation sweep: several heads trained at once on one frozen forward per batch;
+    the fine-tune starts from the one with the best eval/top1."""
+
+    # One head per LR (each scaled as optim.lr is); [] = one head at optim.lr, the probe of a plain run.
+    lrs: list[float] = field(default_factory=list)
+    # Also a head for each narrower part of model.features: the last block's CLS token alone and, for
+    # cls4*, the last 4 blocks' without the mean patch token (DINOv2's n_last_blocks 1 and 4, avgpool or not).
+    feature_variants: bool = False
+
+
+@dataclass
 class OptimConfig:
     lr: float = 1e-3  # AdamW LR of the linear probe, for trainer.lr_reference_batch_size images
     weight_decay: float = 0.05
@@ -74,6 +91,7 @@ class DinoV2FSDPConfig(RunConfig):
     model: ModelConfig = field(default_factory=ModelConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     stages: StagesConfig = field(default_factory=StagesConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(
         batch_size=64, global_batch_size=256, eval_batch_size=128, precision=Precision.bf16))

@@ -7,6 +7,7 @@ normalised tokens, the list of transformer blocks (the FSDP units) and the embed
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,78 @@ DINOV2_ARCHITECTURES = {
 NEVER_TRAINED = ("backbone.embeddings.mask_token",)
 
 
-class DinoClassifier(nn.Module):
-    """Backbone features (CLS token, optionally with the mean patch token) into a linear head."""
+def class_tokens(features: Features) -> int:
+    """How many of the last blocks' class tokens ``features`` holds (DINOv2's ``n_last_blocks``)."""
+    return 4 if features in (Features.cls4, Features.cls4_patch_mean) else 1
 
-    def __init__(self, backbone: nn.Module, library: Library, features: Features) -> None:
+
+def has_patch_mean(features: Features) -> bool:
+    """Whether ``features`` ends with the last block's mean patch token (DINOv2's ``avgpool``)."""
+    return features in (Features.cls_patch_mean, Features.cls4_patch_mean)
+
+
+def narrower_features(features: Features) -> list[Features]:
+    """``features`` and every part of it a head can read alone, in DINOv2's order: 1 block then 4,
+    each without then with the mean patch token."""
+    return [part for part in Features if class_tokens(part) in (1, class_tokens(features))
+            and (has_patch_mean(features) or not has_patch_mean(part))]
+
+
+def feature_columns(features: Features, part: Features, width: int) -> slice:
+    """Where ``part``'s features lie in the vector of ``features`` (class tokens oldest block first,
+    then the mean patch token), ``width`` the embedding width: always one contiguous run."""
+    start = (class_tokens(features) - class_tokens(part)) * width
+    return slice(start, class_tokens(features) * width + (width if has_patch_mean(part) else 0))
+
+
+def feature_width(features: Features, width: int) -> int:
+    return (class_tokens(features) + has_patch_mean(features)) * width
+
+
+def linear_head(width: int) -> nn.Linear:
+    """A linear classifier initialised as DINOv2's eval/linear.py does (weights N(0, 0.01), bias 0)."""
+    head = nn.Linear(width, NUM_CLASSES)
+    nn.init.trunc_normal_(head.weight, std=0.01)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+@dataclass(frozen=True)
+class ProbeHead:
+    """One head of the linear probe: its LR (before batch scaling) and the features it reads."""
+
+    lr: float
+    features: Features
+
+    @property
+    def name(self) -> str:
+        return f"{self.features.value}_lr{self.lr:g}"
+
+
+class ProbeHeads(nn.Module):
+    """The probe's heads, trained at once on one feature vector (DINOv2's ``AllClassifiers``): each
+    reads its columns of ``features``' vector; the output is ``[heads, batch, classes]``."""
+
+    def __init__(self, heads: list[ProbeHead], features: Features, width: int) -> None:
+        super().__init__()
+        self.columns = [feature_columns(features, head.features, width) for head in heads]
+        self.heads = nn.ModuleList(linear_head(columns.stop - columns.start) for columns in self.columns)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.stack([head(features[:, columns]) for head, columns in zip(self.heads, self.columns)])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter (all its rows split alike), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class DinoClassifier(nn.Module):
+    """Backbone features (``model.features``) into a linear head; with ``probe_heads`` (a sweep of
+    several), those heads too, which the probe trains instead of ``head`` and hands the best of."""
+
+    def __init__(self, backbone: nn.Module, library: Library, features: Features,
+                 probe_heads: list[ProbeHead] | tuple[ProbeHead, ...] = ()) -> None:
         super().__init__()
         self.backbone = backbone
         self.library = Library(library)
@@ -44,13 +113,17 @@ class DinoClassifier(nn.Module):
         if self.library == Library.transformers:
             self.embed_dim = backbone.config.hidden_size
             self.num_prefix_tokens = 1
+            depth = backbone.config.num_hidden_layers
         else:
             self.embed_dim = backbone.embed_dim
             self.num_prefix_tokens = backbone.num_prefix_tokens
-        width = self.embed_dim * (2 if self.features == Features.cls_patch_mean else 1)
-        self.head = nn.Linear(width, NUM_CLASSES)
-        nn.init.trunc_normal_(self.head.weight, std=0.01)
-        nn.init.zeros_(self.head.bias)
+            depth = len(backbone.blocks)
+        if class_tokens(self.features) > depth:
+            raise UserError(f"model.features={self.features.value} reads the class tokens of the last "
+                            f"{class_tokens(self.features)} blocks, and this backbone has {depth}")
+        self.head = linear_head(feature_width(self.features, self.embed_dim))
+        self.probe_heads = ProbeHeads(list(probe_heads), self.features, self.embed_dim) if probe_heads else None
+        self.probing = False  # forward gives the probe heads' logits, [heads, batch, classes]
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -60,19 +133,53 @@ class DinoClassifier(nn.Module):
         return self.backbone.blocks
 
     def set_backbone_trainable(self, trainable: bool) -> None:
+        """Fine-tune (``trainable``) or probe; with probe heads, the probe trains them and not ``head``."""
         for name, param in self.named_parameters():
             if name.startswith("backbone."):
                 param.requires_grad_(trainable and name not in NEVER_TRAINED)
+        if self.probe_heads is not None:
+            self.probe_heads.requires_grad_(not trainable)
+            self.head.requires_grad_(trainable)
+            self.probing = not trainable
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def take_probe_head(self, index: int) -> None:
+        """End the probe: ``head`` becomes probe head ``index`` (zero weight on the features that head
+        did not read, so it computes the same logits), and the forward reads ``head`` again."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(self, FSDPModule):  # before torch 2.14 an evaluation leaves the root's weights gathered
+            self.reshard()
+        source, columns = self.probe_heads.heads[index], self.probe_heads.columns[index]
+        weight = _local(self.head.weight)
+        weight.zero_()
+        weight[:, columns].copy_(_local(source.weight))
+        _local(self.head.bias).copy_(_local(source.bias))
+        self.probing = False
+
+    def head_input(self, images: torch.Tensor) -> torch.Tensor:
+        """The features the heads read, from one forward of the backbone: the class tokens of the
+        last 1 or 4 blocks (each normalised), then the last block's mean patch token."""
+        blocks = class_tokens(self.features)
         if self.library == Library.transformers:
-            tokens = self.backbone(pixel_values=images).last_hidden_state
+            output = self.backbone(pixel_values=images, output_hidden_states=blocks > 1)
+            tokens = output.last_hidden_state
+            earlier = output.hidden_states[-blocks:-1] if blocks > 1 else ()  # before the final norm
+            classes = [*(self.backbone.layernorm(hidden[:, 0]) for hidden in earlier), tokens[:, 0]]
+            patches = tokens[:, self.num_prefix_tokens :]
+        elif blocks > 1:
+            layers = self.backbone.forward_intermediates(images, indices=blocks, norm=True, return_prefix_tokens=True,
+                                                         output_fmt="NLC", intermediates_only=True)
+            classes, patches = [prefix[:, 0] for _, prefix in layers], layers[-1][0]
         else:
             tokens = self.backbone.forward_features(images)
-        features = tokens[:, 0]
-        if self.features == Features.cls_patch_mean:
-            features = torch.cat([features, tokens[:, self.num_prefix_tokens :].mean(dim=1)], dim=-1)
-        return self.head(features)
+            classes, patches = [tokens[:, 0]], tokens[:, self.num_prefix_tokens :]
+        parts = [*classes, patches.mean(dim=1)] if has_patch_mean(self.features) else classes
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = self.head_input(images)
+        return self.probe_heads(features) if self.probing else self.head(features)
 
 
 def _local_weights(cfg: ModelConfig) -> Path | None:
@@ -163,10 +270,11 @@ def _timm_backbone(cfg: ModelConfig, pretrained: bool) -> nn.Module:
         raise
 
 
-def build_model(cfg: ModelConfig, pretrained: bool = True) -> DinoClassifier:
+def build_model(cfg: ModelConfig, pretrained: bool = True,
+                probe_heads: list[ProbeHead] | tuple[ProbeHead, ...] = ()) -> DinoClassifier:
     """The classifier on CPU in fp32, its backbone the architecture of ``cfg.name`` (of its pretrained
     copy with ``cfg.pretrained``), with those weights when ``pretrained`` (a checkpoint or an export
-    brings the weights otherwise)."""
+    brings the weights otherwise); ``probe_heads``: the probe's sweep, when it has several heads."""
     backbone = (_transformers_backbone(cfg, pretrained) if cfg.library == Library.transformers
                 else _timm_backbone(cfg, pretrained))
     patch = backbone.config.patch_size if cfg.library == Library.transformers else backbone.patch_embed.patch_size[0]
@@ -174,7 +282,7 @@ def build_model(cfg: ModelConfig, pretrained: bool = True) -> DinoClassifier:
         raise UserError(f"model.image_size={cfg.image_size} is not a multiple of the patch size {patch}")
     if cfg.library == Library.transformers:
         fit_position_table(backbone, cfg.image_size)  # timm's create_model did it for img_size
-    return DinoClassifier(backbone, cfg.library, cfg.features)
+    return DinoClassifier(backbone, cfg.library, cfg.features, probe_heads)
 
 
 def refresh_mixed_precision(model: DinoClassifier) -> None:

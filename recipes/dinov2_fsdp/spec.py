@@ -35,7 +35,14 @@ from common.pytorch.metrics import SumMetrics, add_classification, classificatio
 from common.recipes import Evaluate, PredictInput, RecipeSpec
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig, ModelConfig
 from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
-from recipes.dinov2_fsdp.model import NUM_CLASSES, DinoClassifier, build_model, transformers_config
+from recipes.dinov2_fsdp.model import (
+    NUM_CLASSES,
+    DinoClassifier,
+    ProbeHead,
+    build_model,
+    narrower_features,
+    transformers_config,
+)
 
 SPLITS = ("test",)  # CIFAR-100 has a train and a test split; training evaluates on test
 
@@ -49,6 +56,37 @@ def check_settings(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
         raise UserError("trainer.precision=fp16 is not supported here: use bf16 (no loss scaling needed) or fp32")
     if cfg.fsdp.cpu_offload and dist_info.device.type != "cuda":
         raise UserError("fsdp.cpu_offload moves GPU state to host memory: it needs device=cuda")
+    lrs = list(cfg.probe.lrs)
+    if any(lr <= 0 for lr in lrs) or len({f"{lr:g}" for lr in lrs}) < len(lrs):  # as heads are named
+        raise UserError(f"probe.lrs={lrs} must be distinct LRs above 0, one per head")
+    if cfg.stages.probe_epochs == 0 and len(probe_heads(cfg)) > 1:
+        raise UserError("probe.lrs and probe.feature_variants sweep the probe's heads, and stages.probe_epochs=0 has "
+                        "no probe: set stages.probe_epochs to 1 or more, or leave the sweep out")
+    if cfg.probe.feature_variants and cfg.model.features == "cls":
+        raise UserError("probe.feature_variants=true trains a head on each part of model.features, and model.features"
+                        "=cls has one: set model.features=cls_patch_mean, cls4 or cls4_patch_mean (DINOv2's sweep)")
+
+
+def probe_heads(cfg: DinoV2FSDPConfig) -> list[ProbeHead]:
+    """The linear probe's heads, in DINOv2's order (features, then LR): one per LR of ``probe.lrs``
+    (``optim.lr`` alone when empty) and, with ``probe.feature_variants``, per part of ``model.features``."""
+    features = narrower_features(cfg.model.features) if cfg.probe.feature_variants else [cfg.model.features]
+    return [ProbeHead(lr, part) for part in features for lr in (cfg.probe.lrs or [cfg.optim.lr])]
+
+
+def swept_heads(cfg: DinoV2FSDPConfig) -> list[ProbeHead]:
+    """The heads the model holds beside its classifier head: the probe's, when it sweeps several."""
+    heads = probe_heads(cfg)
+    return heads if len(heads) > 1 else []
+
+
+def best_head(metrics: dict[str, float], heads: list[ProbeHead], prefix: str = "eval") -> int:
+    """The index of the head with the best top-1 accuracy, of equals the lowest loss (then the first)."""
+    def score(index: int) -> tuple[float, float]:
+        name = f"{prefix}/probe/{heads[index].name}"
+        return metrics[f"{name}/top1"], -metrics[f"{name}/loss"]
+
+    return max(range(len(heads)), key=score)
 
 
 def eval_batches(
@@ -70,7 +108,7 @@ def model_as_trained(cfg: DinoV2FSDPConfig, dist_info: DistInfo, pretrained: boo
     """The model as training holds it: on the device, sharded with FSDP2 over the ranks (or on one
     rank with ``fsdp.on_one_rank``), in fp32 with FSDP's bf16 policy or whole under autocast."""
     check_settings(cfg, dist_info)
-    model = build_model(cfg.model, pretrained)
+    model = build_model(cfg.model, pretrained, swept_heads(cfg))
     checkpoint_blocks(model.backbone, cfg.trainer.activation_checkpointing, cfg.model.name)
     model = on_device(model, dist_info.device, cfg.trainer.channels_last)
     if is_sharded(cfg, dist_info):  # bf16 parameters for compute, fp32 gradient reductions
@@ -90,21 +128,34 @@ def compute_precision(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> str:
 
 def evaluator(cfg: DinoV2FSDPConfig, dist_info: DistInfo, split: str) -> Evaluate:
     """Loss, top-1 and top-5 accuracy over the CIFAR-100 ``split``, from sums over all ranks; the
-    whole split on the device, resized to the model's input size batch by batch."""
+    whole split on the device, resized to the model's input size batch by batch.
+
+    While the probe sweeps several heads (one backbone forward for all of them) each head's are
+    ``eval/probe/<head>/*``, and ``eval/*`` are the best head's."""
     data = cifar100.load_split(cfg.data.root, split)
     images, labels = data.images.to(dist_info.device), data.labels.to(dist_info.device)
     normalize = Normalize(MEAN, STD, dist_info.device, input_max=1)
     batches = eval_batches(len(images), dist_info.rank, dist_info.world_size, cfg.trainer.eval_batch_size)
     precision = compute_precision(cfg, dist_info)
+    heads = swept_heads(cfg)
 
     def evaluate(model: torch.nn.Module, of_ema: bool = False) -> dict[str, float]:
-        sums = SumMetrics(dist_info.device)
+        prefix = metric_prefix(of_ema)
+        sums: list[SumMetrics] = []
         inputs = ((to_model_input(images[batch.to(images.device)], cfg.model.image_size, normalize),
                    (labels[batch.to(images.device)], keep.to(images.device))) for batch, keep in batches)
         for logits, (targets, keep) in model_outputs(model, inputs, dist_info.device, precision,
                                                      cfg.trainer.channels_last):
-            add_classification(sums, logits, targets, keep)
-        return classification_metrics(sums.reduce(), metric_prefix(of_ema))
+            per_head = logits if logits.ndim == 3 else logits[None]  # [heads, batch, classes] while sweeping
+            sums = sums or [SumMetrics(dist_info.device) for _ in per_head]
+            for head_sums, head_logits in zip(sums, per_head):
+                add_classification(head_sums, head_logits, targets, keep)
+        scores = [classification_metrics(head_sums.reduce(), prefix) for head_sums in sums]
+        if len(scores) == 1:
+            return scores[0]
+        metrics = {name.replace(f"{prefix}/", f"{prefix}/probe/{head.name}/"): value
+                   for head, score in zip(heads, scores) for name, value in score.items()}
+        return scores[best_head(metrics, heads, prefix)] | metrics
 
     return evaluate
 
@@ -128,7 +179,7 @@ def export_metadata(cfg: DinoV2FSDPConfig) -> dict[str, Any]:
     metadata = {"input": {"size": size, "mean": list(MEAN), "std": list(STD),
                           "pixels": "32x32 images resized to size (bicubic), / 255, then (x - mean) / std"},
                 "num_classes": NUM_CLASSES, "classes": cifar100.class_names(cfg.data.root)}
-    if cfg.model.library == "transformers":
+    if cfg.model.library == "transformers":  # transformers' classifier reads one class token and the patch mean
         whole = cfg.model.features == "cls_patch_mean"
         metadata["transformers"] = {"class": WHOLE_CLASSIFIER if whole else "Dinov2Model"}
     elif cfg.model.features == "cls":
@@ -178,6 +229,7 @@ SPEC = RecipeSpec(
     evaluator=evaluator,
     export_names=export_names,
     head_names=lambda model_cfg: ["head."],
+    training_only=("probe_heads.",),
     export_metadata=export_metadata,
     model_from_export=model_from_export,
     write_export_extras=write_export_extras,

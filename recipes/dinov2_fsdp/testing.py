@@ -26,6 +26,8 @@ KEY_CHECKS = {
     "stages.probe_warmup_epochs": ("lr schedule", "stages.probe_warmup_epochs=0.5"),
     "stages.finetune_lr_ratio": ("lr schedule", "stages.finetune_lr_ratio=0.5", FINE_TUNE),
     "stages.finetune_warmup_epochs": ("lr schedule", "stages.finetune_warmup_epochs=0", FINE_TUNE),
+    "probe.lrs": ("optimizer", "probe.lrs=[0.05,0.01]"),  # a head, and its groups, per LR
+    "probe.feature_variants": ("weights", "probe.feature_variants=true", ("model.features=cls_patch_mean",)),
 }
 
 NO_EFFECT_ON_A_CPU = {

@@ -4,8 +4,11 @@
     torchrun --nproc-per-node 8 -m recipes.dinov2_fsdp.train [hydra overrides]
 
 Stage 1 (the first ``stages.probe_epochs`` epochs) trains only the head: the backbone has no
-gradients and no optimizer state. Stage 2 trains everything at ``stages.finetune_lr_ratio`` of
-the probe LR with a fresh optimizer and schedule. The stage is saved in every checkpoint.
+gradients and no optimizer state. With ``probe.lrs`` (and ``probe.feature_variants``) it trains
+several heads at once, as DINOv2's eval/linear.py does: one frozen forward per batch, each head its
+own LR (its optimizer groups), each evaluated; the best by eval/top1 becomes the classifier's head.
+Stage 2 trains everything at ``stages.finetune_lr_ratio`` of the (best head's) probe LR with a fresh
+optimizer and schedule. The stage, and the probe's table of heads, are saved in every checkpoint.
 
 With several ranks (or ``fsdp.on_one_rank=true``) the model is sharded with FSDP2 (one unit per
 transformer block, then the root) and checkpoints hold its shards (``torch.distributed.checkpoint``),
@@ -37,11 +40,13 @@ from recipes.dinov2_fsdp.model import refresh_mixed_precision
 from recipes.dinov2_fsdp.spec import (
     SPEC,
     SPLITS,
+    best_head,
     check_settings,
     compute_precision,
     evaluator,
     is_sharded,
     model_as_trained,
+    probe_heads,
 )
 
 
@@ -54,6 +59,13 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     """AdamW over the trainable parameters, no weight decay on norms and biases; PyTorch's default
     implementation (foreach on CUDA), which works on FSDP2's sharded parameters."""
     return torch.optim.AdamW(weight_decay_groups(model, weight_decay), lr=lr)
+
+
+def sweep_optimizer(heads: torch.nn.ModuleList, lrs: list[float], weight_decay: float) -> torch.optim.AdamW:
+    """:func:`make_optimizer` for the probe's heads, each head's groups at its own LR (DINOv2's param
+    groups): with the heads' losses summed, each head trains as it would alone."""
+    return torch.optim.AdamW([group | {"lr": lr} for head, lr in zip(heads, lrs)
+                              for group in weight_decay_groups(head, weight_decay)])
 
 
 def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
@@ -81,7 +93,10 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
         len(train_images), dist_info.rank, dist_info.world_size, seed=cfg.seed, shuffle=True, drop_last=True
     )
     plan = StepPlan.from_config(cfg.trainer, sampler, dist_info.world_size, tail=EpochTail.keep)
-    probe_lr = scaled_lr(cfg.optim.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
+    heads = probe_heads(cfg)  # one (the classifier's head), or the sweep's, which the model holds beside it
+    sweeping = len(heads) > 1
+    probe_lrs = [scaled_lr(head.lr, plan.global_batch, cfg.trainer.lr_reference_batch_size, cfg.trainer.lr_scaling)
+                 for head in heads]
     probe_steps = min(plan.per_epoch * cfg.stages.probe_epochs, plan.total)
 
     def stage_of_epoch(epoch: int) -> Stage:
@@ -93,11 +108,14 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
         if sharded and stage == Stage.finetune:
             refresh_mixed_precision(model)
         if stage == Stage.probe:
-            lr, steps, warmup = probe_lr, probe_steps, cfg.stages.probe_warmup_epochs
+            steps, warmup = probe_steps, cfg.stages.probe_warmup_epochs
+            optimizer = sweep_optimizer(model.probe_heads.heads, probe_lrs, cfg.optim.weight_decay) if sweeping \
+                else make_optimizer(model, probe_lrs[0], cfg.optim.weight_decay)
         else:
-            lr, steps = probe_lr * cfg.stages.finetune_lr_ratio, plan.total - probe_steps
+            best = progress.extra["probe"]["best"] if sweeping else 0
+            lr, steps = probe_lrs[best] * cfg.stages.finetune_lr_ratio, plan.total - probe_steps
             warmup = cfg.stages.finetune_warmup_epochs
-        optimizer = make_optimizer(model, lr, cfg.optim.weight_decay)
+            optimizer = make_optimizer(model, lr, cfg.optim.weight_decay)
         scheduler = warmup_cosine(optimizer, round(warmup * plan.per_epoch), steps, cfg.optim.min_lr_ratio)
         return optimizer, scheduler
 
@@ -115,14 +133,33 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
     stage = Stage(progress.extra.setdefault("stage", stage_of_epoch(0).value))
     optimizer, scheduler = start_stage(stage)
     run.track_optimizer(optimizer, scheduler, restore=True)
+    probe_line = f"probe lrs {', '.join(f'{lr:g}' for lr in probe_lrs)} ({len(heads)} heads)" if sweeping \
+        else f"probe lr {probe_lrs[0]:g}"
     run.console(
         f"dinov2_fsdp: {cfg.model.name} at {cfg.model.image_size}px, {dist_info.world_size} rank(s) on "
-        f"{device.type}{' with FSDP2' if sharded else ''}, {plan.describe()}, probe lr {probe_lr:g}, "
+        f"{device.type}{' with FSDP2' if sharded else ''}, {plan.describe()}, {probe_line}, "
         f"{probe_steps} probe + {plan.total - probe_steps} fine-tune steps"
     )
 
     def run_eval() -> dict[str, float]:
-        return run.log_eval(evaluate(model))
+        """Evaluate; while the probe sweeps, every head, and keep their table in the progress (checkpointed)."""
+        metrics = evaluate(model)
+        if not model.probing:
+            return run.log_eval(metrics)
+        table = [{"head": head.name, "lr": head.lr, "features": head.features.value}
+                 | {metric: metrics[f"eval/probe/{head.name}/{metric}"] for metric in ("loss", "top1", "top5")}
+                 for head in heads]
+        progress.extra["probe"] = {"step": progress.step, "heads": table, "best": best_head(metrics, heads)}
+        return run.log_eval(metrics, headline=["eval/loss", "eval/top1", "eval/top5"])
+
+    def end_probe() -> None:
+        """The sweep's best head (by eval/top1, evaluated at this step) becomes the classifier's head."""
+        if progress.extra.get("probe", {}).get("step") != progress.step:
+            run_eval()
+        best = progress.extra["probe"]["best"]
+        model.take_probe_head(best)
+        run.console(f"probe: best of {len(heads)} heads {heads[best].name}, eval/top1 "
+                    f"{progress.extra['probe']['heads'][best]['top1']:.4f}; the classifier starts from it")
 
     # ---- training loop --------------------------------------------------------------------
     def forward_backward(batch: torch.Tensor, generator: torch.Generator, share: float, sync: bool) -> None:
@@ -136,14 +173,22 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
         y = train_labels[batch]
         with gradient_sync(model, sync):
             with autocast(device, precision):
-                logits = model(x).float()
-            loss = F.cross_entropy(logits, y, label_smoothing=cfg.optim.label_smoothing)
+                logits = model(x).float()  # [batch, classes]; while the probe sweeps, [heads, batch, classes]
+            if model.probing:  # each head's loss, summed: each head's gradient is that of its own loss
+                loss = torch.stack([F.cross_entropy(head, y, label_smoothing=cfg.optim.label_smoothing)
+                                    for head in logits]).sum()
+            else:
+                loss = F.cross_entropy(logits, y, label_smoothing=cfg.optim.label_smoothing)
             (loss * share).backward()
-        train_sums.add(loss=loss.detach() * len(batch), top1=(logits.argmax(1) == y).sum(), count=len(batch))
+        count = len(logits) if model.probing else 1  # train/loss and train/top1: the heads' mean
+        train_sums.add(loss=loss.detach() * len(batch) / count, top1=(logits.argmax(-1) == y).sum() / count,
+                       count=len(batch))
 
     model.train()
     while not run.training_done():
         if stage_of_epoch(progress.epoch) != stage:
+            if model.probing:
+                end_probe()
             stage = stage_of_epoch(progress.epoch)
             optimizer, scheduler = start_stage(stage)
             run.track_optimizer(optimizer, scheduler)
@@ -169,7 +214,11 @@ def train(cfg: DinoV2FSDPConfig, dist_info: DistInfo) -> None:
         run.end_epoch(run_eval)  # evaluate when due (eval_every_epochs/_steps), checkpoint
 
     # ---- finish: final evaluation and checkpoint, then summary.json ---------------------------
-    run.finish(run_eval, stage=stage.value)
+    if model.probing:  # a run that only probes ends its probe here
+        end_probe()
+    probed = {"probe_heads": progress.extra["probe"]["heads"],
+              "probe_best": heads[progress.extra["probe"]["best"]].name} if sweeping else {}
+    run.finish(run_eval, stage=stage.value, **probed)
 
 
 if __name__ == "__main__":
