@@ -57,6 +57,21 @@ class PredictInput:
     pad: tuple[int, ...] | None = None
 
 
+CLASS = "class"  # the level of a recipe with one classifier
+
+
+def one_classifier(metadata: dict[str, Any], decode: Callable[[Any], torch.Tensor],
+                   prepare: Callable[[torch.Tensor], torch.Tensor]) -> PredictInput:
+    """The ``PredictInput`` of a model whose output is one ``[B, classes]`` tensor, named by ``metadata["classes"]``.
+    (Here, not in ``make predict``'s module: a recipe's spec needs it, and training must not import the tool.)"""
+    return PredictInput(decode=decode, prepare=prepare, classes={CLASS: list(metadata["classes"])},
+                        scores=_one_level)
+
+
+def _one_level(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {CLASS: logits}
+
+
 def _no_process_group_options(cfg: Any) -> dict[str, Any]:
     return {}
 

@@ -37,28 +37,17 @@ from tqdm import tqdm
 
 from common.after_training.export import is_export, load_export
 from common.after_training.trained import LATEST, load_model, open_run, read_state
-from common.data.images import EncodedImage, PathImages
+from common.data.encoded import EncodedImage
+from common.data.images import PathImages
 from common.entry import distributed_process, exit_after, fail, user_message
 from common.errors import UserError
 from common.pytorch.distributed import on_device, resolve_device
 from common.pytorch.precision import autocast
 from common.recipes import PredictInput, RecipeSpec, load_recipe
 
-CLASS = "class"  # the level of a recipe with one classifier
 CSV_FILE = "predictions.csv"
 MASKS = "masks"
 LIST_SUFFIX = ".txt"  # INPUT=<list.txt>: one image path a line, relative to the list's folder or absolute
-
-
-def one_classifier(metadata: dict[str, Any], decode: Callable[[EncodedImage], torch.Tensor],
-                   prepare: Callable[[torch.Tensor], torch.Tensor]) -> PredictInput:
-    """The ``PredictInput`` of a model whose output is one ``[B, classes]`` tensor, named by ``metadata["classes"]``."""
-    return PredictInput(decode=decode, prepare=prepare, classes={CLASS: list(metadata["classes"])},
-                        scores=_one_level)
-
-
-def _one_level(logits: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {CLASS: logits}
 
 
 # ---- input ------------------------------------------------------------------------------------

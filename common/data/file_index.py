@@ -36,7 +36,8 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from common.data.images import EncodedImage, read_file, read_header
+from common.data.encoded import EncodedImage
+from common.data.images import read_file, read_header
 from common.errors import UserError
 from common.pytorch.distributed import broadcast_object
 

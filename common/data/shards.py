@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from common.data.encoded import EncodedImage
 from common.data.file_index import FileIndex
-from common.data.images import EncodedImage
 from common.errors import UserError
 
 INDEX_FILE = "index.json"  # litdata's

@@ -19,14 +19,13 @@ from torch import nn
 
 from common.after_training.evaluate import classification_scores, metric_prefix
 from common.after_training.export import timm_classifiers, timm_loading
-from common.after_training.predict import one_classifier
 from common.data import cifar100
+from common.data.encoded import FixedSizeImage
 from common.data.image_batches import Normalize
-from common.data.images import FixedSizeImage
 from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, on_device
-from common.recipes import Evaluate, PredictInput, RecipeSpec
+from common.recipes import Evaluate, PredictInput, RecipeSpec, one_classifier
 from recipes.cifar100_resnet50.config import Cifar100ResNet50Config, ModelConfig
 from recipes.cifar100_resnet50.data import MEAN, STD
 from recipes.cifar100_resnet50.model import build_model

@@ -22,17 +22,16 @@ from torch import nn
 
 from common.after_training.evaluate import metric_prefix, model_outputs
 from common.after_training.export import timm_loading
-from common.after_training.predict import one_classifier
 from common.data import cifar100
+from common.data.encoded import FixedSizeImage
 from common.data.image_batches import Normalize
-from common.data.images import FixedSizeImage
 from common.data.sampler import ResumableDistributedSampler
 from common.errors import UserError
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, on_device
 from common.pytorch.fsdp import fully_shard_blocks, process_group_options
 from common.pytorch.metrics import SumMetrics, add_classification, classification_metrics
-from common.recipes import Evaluate, PredictInput, RecipeSpec
+from common.recipes import Evaluate, PredictInput, RecipeSpec, one_classifier
 from recipes.dinov2_fsdp.config import DinoV2FSDPConfig, ModelConfig
 from recipes.dinov2_fsdp.data import MEAN, STD, to_model_input
 from recipes.dinov2_fsdp.model import (

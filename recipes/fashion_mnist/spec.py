@@ -16,12 +16,11 @@ import torch
 from torch import nn
 
 from common.after_training.evaluate import classification_scores, metric_prefix
-from common.after_training.predict import one_classifier
-from common.data.images import FixedSizeImage
+from common.data.encoded import FixedSizeImage
 from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, on_device
-from common.recipes import Evaluate, PredictInput, RecipeSpec
+from common.recipes import Evaluate, PredictInput, RecipeSpec, one_classifier
 from recipes.fashion_mnist.config import FashionMNISTConfig, ModelConfig
 from recipes.fashion_mnist.data import CLASSES, MEAN, STD, load_split, normalize
 from recipes.fashion_mnist.model import IMAGE_SIZE, build_model

@@ -30,8 +30,9 @@ from torchvision.transforms import v2
 
 from common.config import DataFormat
 from common.data import file_index
+from common.data.encoded import EncodedImage
 from common.data.file_index import FileIndex, IndexedFiles, load_or_build
-from common.data.images import INTERPOLATIONS, EncodedImage, TrainAugmentation
+from common.data.images import INTERPOLATIONS, TrainAugmentation
 from common.data.loaders import cpu_cores_per_rank
 from common.data.shards import ShardImages, shard_folder
 from common.errors import UserError

@@ -18,7 +18,6 @@ from torch import nn
 
 from common.after_training.evaluate import classification_scores, metric_prefix, most_batches
 from common.after_training.export import timm_classifiers, timm_loading
-from common.after_training.predict import one_classifier
 from common.config import DataFormat
 from common.data.image_batches import Normalize
 from common.data.loaders import make_loader
@@ -26,7 +25,7 @@ from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.activation_checkpointing import checkpoint_blocks, residual_blocks
 from common.pytorch.distributed import DistInfo, on_device
 from common.pytorch.fsdp import check_fsdp_settings, fully_shard_blocks, process_group_options
-from common.recipes import Evaluate, PredictInput, RecipeSpec
+from common.recipes import Evaluate, PredictInput, RecipeSpec, one_classifier
 from recipes.timm_imagenet.config import ModelConfig, TimmImageNetConfig
 from recipes.timm_imagenet.data import EvalImages, check_layout, class_names, eval_transform, resolve, split_images
 from recipes.timm_imagenet.model import build_model

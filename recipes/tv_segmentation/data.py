@@ -24,7 +24,7 @@ from albumentations.pytorch import ToTensorV2
 from PIL import Image
 from torch.utils.data import Dataset
 
-from common.data.images import EncodedImage, open_image
+from common.data.encoded import EncodedImage, open_image
 from common.errors import UserError
 from recipes.tv_segmentation import coco
 from recipes.tv_segmentation.config import DataConfig

@@ -16,13 +16,12 @@ import torch
 from torch import nn
 
 from common.after_training.evaluate import metric_prefix, model_outputs
-from common.after_training.predict import CLASS
 from common.data.image_batches import Normalize
 from common.data.loaders import make_loader
 from common.data.sampler import ResumableDistributedSampler
 from common.pytorch.activation_checkpointing import checkpoint_blocks
 from common.pytorch.distributed import DistInfo, on_device
-from common.recipes import Evaluate, PredictInput, RecipeSpec
+from common.recipes import CLASS, Evaluate, PredictInput, RecipeSpec
 from recipes.tv_segmentation.coco import voc_palette
 from recipes.tv_segmentation.config import ModelConfig, TvSegmentationConfig
 from recipes.tv_segmentation.data import (
