@@ -30,10 +30,21 @@ from recipes.fashion_mnist.spec import train_inputs
 from recipes.timm_imagenet.data import class_names
 from recipes.timm_imagenet.model import build_model as timm_model
 from recipes.timm_imagenet.spec import train_inputs as timm_train_inputs
+from recipes.tv_segmentation.model import build_model as segmentation_model
+from recipes.tv_segmentation.spec import train_inputs as segmentation_train_inputs
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.recipe_probe import CPU
 from tests.test_predict import fashion_pngs, predict_here
-from tests.trained_runs import TINY, cifar_run, dinov2_run, evaluate_here, fashion_data, fashion_run, imagenet_data
+from tests.trained_runs import (
+    TINY,
+    cifar_run,
+    dinov2_run,
+    evaluate_here,
+    fashion_data,
+    fashion_run,
+    imagenet_data,
+    voc_data,
+)
 
 BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -128,6 +139,30 @@ def test_a_timm_resnet_gets_batchnorm_statistics_from_its_training_images(
         assert torch.allclose(state[key].float(), value.float(), rtol=1e-5, atol=1e-6), key
     with pytest.raises(UserError, match=r"^the checkpoints of .+ do not fit the model their config builds: .*size"):
         average_run(folder, "last", 2, bn_batches=1, overrides=["model.name=test_efficientnet"])
+
+
+def test_a_segmentation_model_gets_batchnorm_statistics_from_its_training_images(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """tv_segmentation's DeepLabV3 (BatchNorm in its backbone and head): the same as the timm ResNet above."""
+    cfg = typed_config(compose_config("tv_segmentation", [*TINY["tv_segmentation"], f"run_dir={tmp_path / 'run'}",
+                                                          f"data.root={voc_data(tmp_path_factory)}"]))
+    folder = tmp_path / "run" / "checkpoints"
+    manager = CheckpointManager(folder, keep_last=2)
+    states = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        states.append(segmentation_model(cfg.model, pretrained=False).state_dict())
+        manager.save(seed, {"model": states[-1]}, config=config_record(cfg))
+    written = average_run(folder, "last", 2, bn_batches=2)
+    state = averaged_state(written)
+    model = segmentation_model(cfg.model, pretrained=False)
+    model.load_state_dict(average_weights(states[::-1]))
+    torch.manual_seed(cfg.seed)  # the dropout before the head's last BatchNorm draws as the average's did
+    update_bn(itertools.islice(segmentation_train_inputs(cfg, CPU), 2), model)
+    assert [key for key in state if key.endswith("running_mean")], "DeepLabV3 has BatchNorm"
+    assert len(list(segmentation_train_inputs(cfg, CPU))) == 8 // cfg.trainer.batch_size, "8 training images"
+    for key, value in model.state_dict().items():
+        assert torch.allclose(state[key].float(), value.float(), rtol=1e-5, atol=1e-6), key
 
 
 def test_eval_export_predict_and_init_from_read_the_average_by_name(tmp_path_factory: pytest.TempPathFactory,

@@ -133,9 +133,12 @@ def has_batchnorm(model: torch.nn.Module) -> bool:
 
 
 def recompute_batchnorm(model: torch.nn.Module, inputs: Iterator[torch.Tensor], batches: int,
-                        channels_last: bool) -> int:
-    """BatchNorm's statistics of ``model`` over the first ``batches`` of ``inputs`` (``update_bn``); how many it saw."""
+                        channels_last: bool, seed: int) -> int:
+    """BatchNorm's statistics of ``model`` over the first ``batches`` of ``inputs`` (``update_bn``); how many it saw.
+    The model runs in training mode, so dropout before a BatchNorm (DeepLabV3's head) draws from the global
+    generators: seeded with ``seed``, the same checkpoints average to the same statistics every time."""
     seen = 0
+    torch.manual_seed(seed)
 
     def counted() -> Iterator[torch.Tensor]:
         nonlocal seen
@@ -203,7 +206,7 @@ def average_run(source: str | Path, how: str, count: int, bn_batches: int = BN_B
                     raise UserError(f"the checkpoints of {folder} do not fit the model their config builds: "
                                     f"{str(error).strip().splitlines()[-1].strip()}") from error
                 bn_seen = recompute_batchnorm(model, spec.train_inputs(run.cfg, dist_info), bn_batches,
-                                              run.cfg.trainer.channels_last)
+                                              run.cfg.trainer.channels_last, run.cfg.seed)
                 averaged = {key: value.detach().cpu() for key, value in model.state_dict().items()}
     manifest = {"format": 2, "step": chosen[0].step, "metrics": {}, "milestone": None,
                 "config": chosen[0].manifest.get("config"),

@@ -9,6 +9,7 @@ with the ``torchvision`` entry of ``metadata.json`` and ``load_state_dict`` of
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,20 @@ def evaluator(cfg: TvSegmentationConfig, dist_info: DistInfo, split: str) -> Eva
     return evaluate
 
 
+def train_inputs(cfg: TvSegmentationConfig, dist_info: DistInfo) -> Iterator[torch.Tensor]:
+    """The training split with the evaluation transform (shorter side to ``data.base_size``), normalised on the
+    device, in the order of the first epoch: images as the model sees them without random augmentation."""
+    dataset = SegmentationDataset(find_pairs(cfg.data, cfg.data.train_split), eval_transform(cfg.data.base_size),
+                                  cfg.model.num_classes, augment=False)
+    sampler = ResumableDistributedSampler(len(dataset), dist_info.rank, dist_info.world_size, seed=cfg.seed,
+                                          shuffle=True, drop_last=True)
+    loader = make_loader(dataset, sampler, cfg.trainer.batch_size, cfg.trainer.num_workers,
+                         dist_info.device.type == "cuda", drop_last=True, collate_fn=pad_collate,
+                         generator=torch.Generator())
+    normalize = Normalize(MEAN, STD, dist_info.device)
+    return (normalize(images) for images, _ in loader)
+
+
 def head_names(model_cfg: ModelConfig) -> list[str]:
     """The layers that output one channel per class (the last of the main and auxiliary heads)."""
     model = build_model(model_cfg, pretrained=False)
@@ -121,4 +136,5 @@ SPEC = RecipeSpec(
     export_metadata=export_metadata,
     model_from_export=model_from_export,
     predict_input=predict_input,
+    train_inputs=train_inputs,
 )
