@@ -10,7 +10,9 @@ import json
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -116,18 +118,26 @@ def test_batchnorm_statistics_are_those_of_the_averaged_weights(tmp_path_factory
     assert json.loads((written / MANIFEST_FILE).read_text())["average"]["bn_batches"] == 3
 
 
+def seeded_checkpoints(cfg: Any, build: Callable[[], torch.nn.Module], folder: Path) -> list[dict[str, torch.Tensor]]:
+    """Checkpoints of steps 1 and 2 written as a run writes them, holding the weights ``build`` makes under seeds
+    1 and 2 (no training); their states, oldest first."""
+    manager = CheckpointManager(folder, keep_last=2)
+    states = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        states.append(build().state_dict())
+        manager.save(seed, {"model": states[-1]}, config=config_record(cfg))
+    return states
+
+
 def test_a_timm_resnet_gets_batchnorm_statistics_from_its_training_images(
         tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """Two checkpoints written as a run writes them (no training: weights of two seeds), in their folder alone."""
     cfg = typed_config(compose_config("timm_imagenet", [*TINY["timm_imagenet"], f"run_dir={tmp_path / 'run'}",
                                                         f"data.root={imagenet_data(tmp_path_factory)}"]))
     folder = tmp_path / "run" / "checkpoints"
-    manager = CheckpointManager(folder, keep_last=2)
-    states = []
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        states.append(timm_model(cfg.model, len(class_names(cfg.data)), pretrained=False).state_dict())
-        manager.save(seed, {"model": states[-1]}, config=config_record(cfg))
+    states = seeded_checkpoints(cfg, lambda: timm_model(cfg.model, len(class_names(cfg.data)), pretrained=False),
+                                folder)
     written = average_run(folder, "last", 2, bn_batches=1)
     state = averaged_state(written)
     model = timm_model(cfg.model, len(class_names(cfg.data)), pretrained=False)
@@ -147,12 +157,7 @@ def test_a_segmentation_model_gets_batchnorm_statistics_from_its_training_images
     cfg = typed_config(compose_config("tv_segmentation", [*TINY["tv_segmentation"], f"run_dir={tmp_path / 'run'}",
                                                           f"data.root={voc_data(tmp_path_factory)}"]))
     folder = tmp_path / "run" / "checkpoints"
-    manager = CheckpointManager(folder, keep_last=2)
-    states = []
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        states.append(segmentation_model(cfg.model, pretrained=False).state_dict())
-        manager.save(seed, {"model": states[-1]}, config=config_record(cfg))
+    states = seeded_checkpoints(cfg, lambda: segmentation_model(cfg.model, pretrained=False), folder)
     written = average_run(folder, "last", 2, bn_batches=2)
     state = averaged_state(written)
     model = segmentation_model(cfg.model, pretrained=False)
