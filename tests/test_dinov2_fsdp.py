@@ -162,6 +162,23 @@ def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(
     assert summary["steps"] == TOTAL_STEPS and summary["stage"] == "finetune"
 
 
+@pytest.mark.slow
+def test_a_linear_sweep_killed_mid_probe_on_two_ranks_resumes_its_heads_and_ends_with_its_digest_and_table(
+    cifar_root: Path, pretrained_dir: Path, tmp_path: Path
+) -> None:
+    """DINOv2's linear-evaluation sweep (``probe.lrs``, three heads) on two FSDP2 ranks, whose shards
+    hold every head and its optimizer state: killed in the probe, stopped at its last step (the
+    stage switch, which picks the best head) and resumed into the fine-tune, the run ends with the
+    uninterrupted run's digest and head table; the probe's last checkpoint, evaluated on one rank,
+    scores what the two ranks computed."""
+    sweep = ["trainer.epochs=2", "probe.lrs=[0.05,0.01,0.002]"]
+    summary = kill_signal_resume(RECIPE, overrides(cifar_root, pretrained_dir, None, *sweep), tmp_path, 2,
+                                 signal.SIGTERM, extra_digests=("probe_heads", "probe_best"),
+                                 one_rank_eval_overrides=("fsdp.on_one_rank=true",))
+    assert summary["stage"] == "finetune" and len(summary["probe_heads"]) == 3
+    assert summary["probe_best"] in {head["head"] for head in summary["probe_heads"]}
+
+
 def test_background_saves_of_the_shards_write_the_same_checkpoints(
     reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path
 ) -> None:

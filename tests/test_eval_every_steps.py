@@ -16,11 +16,11 @@ import pytest
 
 from common.checkpoint.layout import committed_checkpoints
 from common.errors import Preempted
-from common.records.loggers import METRICS_FILE, read_metrics_file
 from common.run.cadence import CheckpointCadence
 from common.run.search_trial import SearchTrial
 from common.run.steps import EpochBatches
 from tests.recipe_probe import Configs, Probe, probe, tiny_settings
+from tests.resume import evaluations as logged_evaluations
 
 FASHION_STEPS_PER_EPOCH = 256 // 16  # the tiny data's 256 images in micro-batches of 16
 # Evaluations at steps 8 (mid-epoch), 16 (an epoch's last step), 24 (mid-epoch) and 32 (the finish);
@@ -29,10 +29,8 @@ FASHION = ["trainer.epochs=2", "trainer.eval_every_steps=8", "checkpoint.keep_la
 
 
 def evaluations(seen: Probe) -> list[tuple[int, dict[str, float]]]:
-    """``(step, eval/* metrics)`` of each evaluation the run's ``metrics.jsonl`` holds, in order."""
-    records = read_metrics_file(seen.run.logger.log_dir / METRICS_FILE)
-    found = [(record["step"], {k: v for k, v in record.items() if k.startswith("eval/")}) for record in records]
-    return [(step, metrics) for step, metrics in found if metrics]
+    """``(step, metrics)`` of each evaluation the probed run logged, in order."""
+    return logged_evaluations(Path(seen.cfg.run_dir))
 
 
 def evaluated_checkpoints(cfg: Any) -> list[int]:

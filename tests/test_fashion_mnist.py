@@ -10,7 +10,7 @@ import torch
 
 from common.checkpoint.layout import latest_checkpoint
 from tests.conftest import assert_ok, read_summary, run_recipe
-from tests.resume import kill_signal_resume
+from tests.resume import evaluations, kill_signal_resume
 
 RECIPE = "fashion_mnist"
 TINY = [
@@ -56,17 +56,27 @@ def test_end_to_end_writes_summary_checkpoints_and_tensorboard(fashion_data: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("nproc", "stop_signal", "kill"), [
-    pytest.param(2, signal.SIGUSR1, "mid-epoch", id="2-SIGUSR1"),
-    pytest.param(1, signal.SIGTERM, "after-evaluation", id="1-SIGTERM-killed-at-an-epoch-end"),
+@pytest.mark.parametrize(("nproc", "stop_signal", "kill", "cadence"), [
+    pytest.param(2, signal.SIGUSR1, "mid-epoch", "trainer.eval_every_steps=2", id="2-SIGUSR1-evaluating-every-2-steps"),
+    pytest.param(1, signal.SIGTERM, "after-evaluation", "trainer.eval_every_epochs=1",
+                 id="1-SIGTERM-killed-at-an-epoch-end"),
 ])
 def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(fashion_data: Path, tmp_path: Path, nproc: int,
-                                                                       stop_signal: signal.Signals, kill: str) -> None:
-    """The second case kills right after an epoch's last checkpoint (the one with its evaluation),
-    so the run resumes at the start of the next epoch."""
+                                                                       stop_signal: signal.Signals, kill: str,
+                                                                       cadence: str) -> None:
+    """The first case evaluates every 2 of an epoch's 4 steps (trainer.eval_every_steps, on 2 ranks):
+    the kill lands between two evaluations or right after one, and the signal at the epoch's last
+    step, which an evaluation follows, leaves that evaluation to the resumed run. The second kills
+    right after an epoch's last checkpoint (the one with its evaluation), so the run resumes at the
+    start of the next epoch."""
     settings = ["trainer.epochs=4", "data.random_crop_padding=2", "data.horizontal_flip=true", "seed=5",
-                "trainer.batch_size=32"]
-    kill_signal_resume(RECIPE, overrides(fashion_data, None, *settings), tmp_path, nproc, stop_signal, kill=kill)
+                "trainer.batch_size=32", cadence]
+    summary = kill_signal_resume(RECIPE, overrides(fashion_data, None, *settings), tmp_path, nproc, stop_signal,
+                                 kill=kill)
+    steps_per_epoch = summary["steps"] // summary["epochs"]
+    evaluated = [step for step, _ in evaluations(tmp_path / "run")]
+    assert evaluated == (list(range(2, summary["steps"] + 1, 2)) if nproc == 2 else
+                         list(range(steps_per_epoch, summary["steps"] + 1, steps_per_epoch)))
 
 
 def test_a_finished_run_extended_on_another_number_of_ranks_continues(fashion_data: Path, tmp_path: Path) -> None:

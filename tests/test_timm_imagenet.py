@@ -12,6 +12,7 @@ import torch
 
 from common.entry import CONF_DIR, compose_config
 from common.errors import UserError
+from common.records.loggers import METRICS_FILE, read_metrics_file
 from data_prep import timm_imagenet as prep
 from recipes.timm_imagenet.config import ModelConfig
 from recipes.timm_imagenet.data import resolve, train_augmentation
@@ -96,20 +97,30 @@ def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(imagenet:
     augmentation, Mixup/CutMix, drop path, EMA and gradient accumulation; checkpoints written in the
     background (the recipe's default), and with one process the SIGKILL lands in the middle of one.
     With two, the 15 val images are split 8 + 7 and scored exactly as on one rank, and each run
-    stages its data once (local rank 0 copies while rank 1 waits)."""
+    stages its data once (local rank 0 copies while rank 1 waits), and trains with progressive
+    resizing (epoch 0 at 16 px, epoch 1 at 32), which the device crops to each epoch's size."""
     decode, policy, workers = ("cpu", "rand-m9-mstd0.5-inc1", 1) if nproc == 1 else ("gpu", "ta_wide", 0)
+    progressive = ["data.progressive.start_size=16", "data.progressive.step=16", "data.progressive.end_epoch=1",
+                   "trainer.log_every_steps=1"]
+    # the one-rank evaluation of the stop checkpoint is a run that ends with epoch 0, before the ramp's end
+    no_ramp = ("data.progressive.start_size=0", "data.progressive.end_epoch=0")
     stage = tmp_path / "node_local"
     settings = ["trainer.epochs=2", f"trainer.num_workers={workers}", "seed=3", "trainer.batch_size=4",
                 f"data.decode={decode}", f"data.auto_augment={policy}", "data.re_prob=0.5",
                 "data.repeated_augmentation=3", "data.ra_selected_round=0", "mixup.mixup_alpha=0.8",
                 "mixup.cutmix_alpha=1.0", "model.drop_path_rate=0.2", "ema.enabled=true", "ema.decay=0.9",
                 "trainer.global_batch_size=8", "optim.opt=adamw", "optim.lr=0.002", "optim.weight_decay=0.05",
-                "checkpoint.async_save=true", f"data.stage_to_local={nproc == 2}", f"data.stage_dir={stage}"]
+                "checkpoint.async_save=true", f"data.stage_to_local={nproc == 2}", f"data.stage_dir={stage}",
+                *(progressive if nproc == 2 else [])]
     summary = kill_signal_resume(RECIPE, overrides(imagenet, None, *settings), tmp_path, nproc, stop_signal,
-                                 extra_digests=("ema_digest",), kill="mid-write" if nproc == 1 else "mid-epoch")
+                                 extra_digests=("ema_digest",), kill="mid-write" if nproc == 1 else "mid-epoch",
+                                 one_rank_eval_overrides=no_ramp)
     assert summary["steps"] == 2 * 48 // 8
     assert round(summary["metrics"]["eval/top1"] * 15, 6).is_integer()  # a count over all 15 images
     if nproc == 2:
+        sizes = {record["step"]: record["train/image_size"] for record in
+                 read_metrics_file(tmp_path / "run" / "tensorboard" / METRICS_FILE) if "train/image_size" in record}
+        assert sizes and all(size == (16 if step <= 6 else 32) for step, size in sizes.items()), sizes
         staged = list(stage.iterdir())
         assert len(staged) == 1 and (staged[0] / ".staging-complete").is_file()
 
