@@ -36,15 +36,16 @@ from recipes.tv_segmentation.model import build_model as segmentation_model
 from recipes.tv_segmentation.spec import train_inputs as segmentation_train_inputs
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.recipe_probe import CPU
-from tests.test_predict import fashion_pngs, predict_here
 from tests.trained_runs import (
     TINY,
     cifar_run,
     dinov2_run,
     evaluate_here,
     fashion_data,
+    fashion_pngs,
     fashion_run,
     imagenet_data,
+    predict_here,
     voc_data,
 )
 

@@ -21,6 +21,7 @@ from common.run.search_trial import SearchTrial
 from common.run.steps import EpochBatches
 from tests.recipe_probe import Configs, Probe, probe, tiny_settings
 from tests.resume import evaluations as logged_evaluations
+from tools.compare import load_run
 
 FASHION_STEPS_PER_EPOCH = 256 // 16  # the tiny data's 256 images in micro-batches of 16
 # Evaluations at steps 8 (mid-epoch), 16 (an epoch's last step), 24 (mid-epoch) and 32 (the finish);
@@ -73,6 +74,9 @@ def test_a_run_killed_and_stopped_between_evaluations_evaluates_at_the_same_step
     assert [step for step, _ in evaluations(uninterrupted)] == [8, 16, 24, 32]
     assert evaluated_checkpoints(uninterrupted.cfg) == [8, 16, 24, 32], "each evaluation is followed by its checkpoint"
     assert search.at == [8, 16, 24], "the search hears every evaluation before the finish, by step"
+    curve = load_run(Path(uninterrupted.cfg.run_dir)).curves["eval/top1"]  # what make compare plots
+    assert [step for step, _ in curve] == [8, 16, 24, 32]
+    assert uninterrupted.summary["metrics"]["eval/top1"] == curve[-1][1]
     best = uninterrupted.summary["best_checkpoint"]
     assert best.endswith("_force") and best in {found.path.name for found in
                                                 committed_checkpoints(Path(uninterrupted.cfg.checkpoint.dir))}

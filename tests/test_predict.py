@@ -18,11 +18,9 @@ import pytest
 from PIL import Image
 
 from common.after_training.export import export_run
-from common.after_training.predict import main as predict_main
 from common.after_training.trained import open_run
 from common.data import cifar100
 from common.recipes import load_recipe
-from recipes.fashion_mnist.data import load_split
 from tests.conftest import REPO, assert_ok, recipe_env
 from tests.trained_runs import (
     cifar_data,
@@ -30,23 +28,16 @@ from tests.trained_runs import (
     dinov2_run,
     evaluate_here,
     fashion_data,
+    fashion_pngs,
     fashion_run,
     fungi_data,
     fungi_run,
     imagenet_data,
+    predict_here,
     segmentation_run,
     timm_run,
     voc_data,
 )
-
-FAST = ["--workers", "0", "--batch-size", "4"]
-
-
-def predict_here(run: Path, inputs: Path, out: Path, *args: str) -> list[dict[str, str]]:
-    """``python -m common.after_training.predict RUN INPUT --out OUT [args]`` in this process; the CSV's rows."""
-    predict_main(argv=[str(run), str(inputs), "--out", str(out), *FAST, *args])
-    with (out / "predictions.csv").open() as file:
-        return list(csv.DictReader(file))
 
 
 def top1_accuracy(rows: list[dict[str, str]], label_of: dict[str, str]) -> float:
@@ -60,20 +51,6 @@ def mean_loss(rows: list[dict[str, str]], label_of: dict[str, str], num_classes:
         probability = {row[f"class_{rank}"]: float(row[f"class_prob_{rank}"]) for rank in range(1, num_classes + 1)}
         losses.append(-np.log(probability[label_of[row["path"]]]))
     return float(np.mean(losses))
-
-
-def fashion_pngs(data: Path, folder: Path) -> dict[str, str]:
-    """Fashion-MNIST's test split as one grey PNG per image; ``{path: class name}``."""
-    from recipes.fashion_mnist.data import CLASSES
-
-    images, labels = load_split(data, "test")
-    folder.mkdir(parents=True, exist_ok=True)
-    label_of = {}
-    for i, (image, label) in enumerate(zip(images.numpy(), labels.tolist())):
-        path = folder / f"{i:03d}.png"
-        Image.fromarray(image).save(path)
-        label_of[str(path)] = CLASSES[label]
-    return label_of
 
 
 def test_predicting_the_evaluation_split_gives_the_top1_make_eval_reports(tmp_path_factory: pytest.TempPathFactory,

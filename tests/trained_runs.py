@@ -9,6 +9,7 @@ minus the subprocess, so the run directory is what the tools read. Each run is m
 
 from __future__ import annotations
 
+import csv
 import importlib
 import json
 import tarfile
@@ -19,9 +20,11 @@ from typing import Any
 
 import pytest
 import torch
+from PIL import Image
 
 from common.after_training.evaluate import eval_file_name
 from common.after_training.evaluate import main as evaluate_main
+from common.after_training.predict import main as predict_main
 from common.entry import compose_config, training_process, typed_config
 from common.recipes import load_recipe
 from tests import recipe_tables
@@ -67,6 +70,27 @@ def evaluate_here(recipe: str, run: Path, *args: str, which: str = "latest", spl
     split = split or load_recipe(recipe).splits[0]
     evaluate_main(argv=[str(run), "--which", which, "--split", split, *args])
     return json.loads((run / eval_file_name(split, which)).read_text())
+
+
+def predict_here(run: Path, inputs: Path, out: Path, *args: str) -> list[dict[str, str]]:
+    """``python -m common.after_training.predict RUN INPUT --out OUT [args]`` in this process; the CSV's rows."""
+    predict_main(argv=[str(run), str(inputs), "--out", str(out), "--workers", "0", "--batch-size", "4", *args])
+    with (out / "predictions.csv").open() as file:
+        return list(csv.DictReader(file))
+
+
+def fashion_pngs(data: Path, folder: Path) -> dict[str, str]:
+    """Fashion-MNIST's test split as one grey PNG per image; ``{path: class name}``."""
+    from recipes.fashion_mnist.data import CLASSES, load_split
+
+    images, labels = load_split(data, "test")
+    folder.mkdir(parents=True, exist_ok=True)
+    label_of = {}
+    for i, (image, label) in enumerate(zip(images.numpy(), labels.tolist())):
+        path = folder / f"{i:03d}.png"
+        Image.fromarray(image).save(path)
+        label_of[str(path)] = CLASSES[label]
+    return label_of
 
 
 # ---- data, one of each per session ---------------------------------------------------------
