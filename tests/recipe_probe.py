@@ -242,7 +242,8 @@ def probe(recipe: str, cfg: Any, steps: int | None = 0, dist_info: DistInfo = CP
                 seen.optimizer_steps.append((seen.run.progress.step + 1, optimizer.param_groups[0]["lr"], ordinal))
 
             run.optimizer.register_step_pre_hook(before_optimizer_step)
-        if isinstance(micro_batches, tuple):  # an in-memory recipe's index tensors
+        if isinstance(micro_batches, tuple):  # an in-memory recipe's index tensors: the rest of the epoch
+            del seen.indices[len(seen.inputs):]  # handed out before a mid-epoch return or a rollback, never trained
             seen.indices += [batch.tolist() for batch in micro_batches]
         seen.stepping = True
         groups = originals["steps"](run, micro_batches, to_device)

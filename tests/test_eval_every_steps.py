@@ -72,6 +72,9 @@ def test_a_run_killed_and_stopped_between_evaluations_evaluates_at_the_same_step
     uninterrupted = probe("fashion_mnist", configs(), steps=None)
     assert uninterrupted.error is None, uninterrupted.error
     assert [step for step, _ in evaluations(uninterrupted)] == [8, 16, 24, 32]
+    for epoch in (0, 1):  # the evaluations mid-epoch left each epoch's samples as they were: each trained once
+        trained = [i for e, batch in zip(uninterrupted.epochs, uninterrupted.samples()) if e == epoch for i in batch]
+        assert sorted(trained) == list(range(256)), epoch
     assert evaluated_checkpoints(uninterrupted.cfg) == [8, 16, 24, 32], "each evaluation is followed by its checkpoint"
     assert search.at == [8, 16, 24], "the search hears every evaluation before the finish, by step"
     curve = load_run(Path(uninterrupted.cfg.run_dir)).curves["eval/top1"]  # what make compare plots
