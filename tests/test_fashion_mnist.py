@@ -17,6 +17,7 @@ TINY = [
     "trainer.deterministic=true",  # the digest comparisons hold on a GPU too
     "model.channels=[4,8]",
     "model.hidden=16",
+    "model.dropout=0.25",  # the default has none: the resumed runs must draw the same masks
     "trainer.batch_size=16",
     "logging.backend=none",
     "logging.progress_bar=false",

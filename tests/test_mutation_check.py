@@ -26,6 +26,17 @@ def test_each_mutation_applies_once_and_names_existing_tests(mutation, tmp_path:
         assert f"def {name.split('[')[0]}(" in (REPO / path).read_text(), test
 
 
+def test_each_parametrized_case_a_mutation_names_is_collected() -> None:
+    """A case id the test above cannot read from the source (``[2-SIGUSR1]``): pytest must collect it,
+    or the check's baseline run stops on a case that a renamed parameter left behind."""
+    cases = sorted({test for mutation in MUTATIONS for test in mutation.tests if "[" in test})
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             *cases], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    collected = {line for line in result.stdout.splitlines() if "::" in line}
+    assert collected == set(cases), set(cases) - collected
+
+
 def test_a_caught_mutation_is_reported_killed() -> None:
     result = subprocess.run([sys.executable, "-m", "tools.mutation_check", "--only", "tensorboard-logs-nothing"],
                             cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -126,13 +126,13 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "sampler-resumes-at-the-start-of-the-epoch", "common/data/sampler.py",
         '        self.set_epoch(state["epoch"], state["consumed"])', '        self.set_epoch(state["epoch"], 0)',
-        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1]",),
+        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1-evaluating-every-2-steps]",),
         "a resumed run sees the first part of its epoch twice",
     ),
     Mutation(
         "sampler-position-ignores-the-other-ranks", "common/data/sampler.py",
         "self.consumed + samples_per_rank * self.world_size)", "self.consumed + samples_per_rank)",
-        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1]",),
+        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1-evaluating-every-2-steps]",),
         "a multi-rank run resumed mid-epoch repeats samples",
     ),
     Mutation(
@@ -207,7 +207,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "eval-metric-sums-not-reduced", "common/pytorch/metrics.py",
         "            dist.all_reduce(stacked, op=dist.ReduceOp.SUM)", "            pass",
-        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1]",),
+        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1-evaluating-every-2-steps]",),
         "accuracy on several ranks is rank 0's share of the evaluation only",
     ),
     Mutation(
@@ -234,7 +234,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "worker-exit-code-not-recorded", "common/entry.py",
         "    record_exit_code(stop.exit_code)\n", "",
-        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1]",),
+        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1-evaluating-every-2-steps]",),
         "under torchrun a pre-empted run exits 1: SLURM scripts and the ISC see a crash",
     ),
     Mutation(

@@ -21,7 +21,7 @@ class ModelConfig:
     channels: list[int] = field(default_factory=lambda: [16, 32])  # one conv block per entry
     convs_per_block: int = 1
     hidden: int = 128
-    dropout: float = 0.25
+    dropout: float = 0.0  # before each linear layer; 0: label smoothing regularises enough in 4 epochs
 
 
 class OptimizerName(str, Enum):
@@ -32,12 +32,12 @@ class OptimizerName(str, Enum):
 @dataclass
 class OptimConfig:
     name: OptimizerName = OptimizerName.adamw
-    lr: float = 3e-3
+    lr: float = 5e-3
     momentum: float = 0.9  # SGD only
     weight_decay: float = 5e-4
     warmup_epochs: float = 0.5
     min_lr_ratio: float = 0.0
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.1
 
 
 @dataclass
@@ -46,7 +46,7 @@ class FashionMNISTConfig(RunConfig):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    # >= 91% test accuracy in about two minutes on 2 CPU cores; channels_last is faster on CPU and GPU here.
-    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(epochs=6, eval_batch_size=512,
+    # >= 92% test accuracy in under a minute of training on 2 CPU cores; channels_last is faster on CPU and GPU here.
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(epochs=4, eval_batch_size=512,
                                                                          channels_last=True))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -7,7 +7,8 @@ says what each one holds.
 # no DataLoader for the tiny data: its settings of a loader change nothing
 IN_MEMORY = "no DataLoader: the whole dataset is a tensor on the device, batches are gathered by index"
 
-TINY = ["model.channels=[4,8]", "model.hidden=16", "trainer.batch_size=16"]
+# dropout on (the default has none): the shared tests check that a resumed or redone step draws its masks again
+TINY = ["model.channels=[4,8]", "model.hidden=16", "model.dropout=0.25", "trainer.batch_size=16"]
 TINY_DATA = {"data.root": "fashion_data"}
 
 KEY_CHECKS = {
