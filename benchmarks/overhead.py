@@ -65,6 +65,7 @@ class BareLoop:
         self.model = build_model(cfg.model).to(device).to(memory_format=torch.channels_last)
         self.optimizer = torch.optim.AdamW(weight_decay_groups(self.model, cfg.optim.weight_decay), lr=cfg.optim.lr)
         self.images, self.labels = (t.to(device) for t in load_split(cfg.data.root, "train"))
+        self.label_smoothing = cfg.optim.label_smoothing
         steps_per_epoch = len(self.images) // cfg.trainer.batch_size
         self.scheduler = warmup_cosine(self.optimizer, round(cfg.optim.warmup_epochs * steps_per_epoch),
                                        steps_per_epoch * cfg.trainer.epochs, cfg.optim.min_lr_ratio)
@@ -76,7 +77,7 @@ class BareLoop:
     def steps(self, count: int) -> None:
         for batch in self.batches[self.next_batch : self.next_batch + count]:
             x = normalize(self.images[batch]).contiguous(memory_format=torch.channels_last)
-            loss = F.cross_entropy(self.model(x), self.labels[batch])
+            loss = F.cross_entropy(self.model(x), self.labels[batch], label_smoothing=self.label_smoothing)
             loss.backward()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
