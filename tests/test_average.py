@@ -115,7 +115,8 @@ def test_batchnorm_statistics_are_those_of_the_averaged_weights(tmp_path_factory
             assert torch.allclose(value.float(), expected[key].float(), rtol=1e-5, atol=1e-6), key
         else:
             assert torch.equal(value, mean[key]), f"{key} is the averaged weight"
-    assert not torch.allclose(state["1.running_var"], mean["1.running_var"]), "the statistics were recomputed"
+    first_bn = next(key for key in state if key.endswith("running_var"))
+    assert not torch.allclose(state[first_bn], mean[first_bn]), "the statistics were recomputed"
     assert json.loads((written / MANIFEST_FILE).read_text())["average"]["bn_batches"] == 3
 
 
