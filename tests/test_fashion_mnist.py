@@ -9,16 +9,14 @@ import pytest
 import torch
 
 from common.checkpoint.layout import latest_checkpoint
+from recipes.fashion_mnist import testing
 from tests.conftest import assert_ok, read_summary, run_recipe
 from tests.resume import evaluations, kill_signal_resume
 
 RECIPE = "fashion_mnist"
 TINY = [
     "trainer.deterministic=true",  # the digest comparisons hold on a GPU too
-    "model.channels=[4,8]",
-    "model.hidden=16",
-    "model.dropout=0.25",  # the default has none: the resumed runs must draw the same masks
-    "trainer.batch_size=16",
+    *testing.TINY,  # the recipe's tiny settings, dropout on: the resumed runs must draw the same masks
     "logging.backend=none",
     "logging.progress_bar=false",
     "checkpoint.every_seconds=0",

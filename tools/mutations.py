@@ -26,6 +26,8 @@ class Mutation:
 
 
 CHAIN = "test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact"
+FASHION_TWO_RANK_CHAIN = f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1-evaluating-every-2-steps]"
+TIMM_TWO_RANK_CHAIN = f"tests/test_timm_imagenet.py::{CHAIN}[2-SIGUSR1]"
 KEY = "tests/test_config_keys.py::test_changing_a_key_changes_what_it_should"
 EQUIVALENCE = "tests/test_gradient_equivalence.py::"
 ACCUMULATED = f"{EQUIVALENCE}test_two_accumulated_micro_batches_give_the_gradient_of_one_batch_twice_as_large"
@@ -81,7 +83,7 @@ MUTATIONS: list[Mutation] = [
         "        for steps_here, group in enumerate(run.steps(train_loader, train_input.to_device)):\n"
         "            with group:\n"
         "                with seeded_global_rng(cfg.seed, steps_here, dist_info.rank):",
-        (f"tests/test_timm_imagenet.py::{CHAIN}[2-SIGUSR1]",),
+        (TIMM_TWO_RANK_CHAIN,),
         "a run resumed mid-epoch draws other augmentations than the uninterrupted run",
     ),
     Mutation(
@@ -126,13 +128,13 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "sampler-resumes-at-the-start-of-the-epoch", "common/data/sampler.py",
         '        self.set_epoch(state["epoch"], state["consumed"])', '        self.set_epoch(state["epoch"], 0)',
-        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1-evaluating-every-2-steps]",),
+        (FASHION_TWO_RANK_CHAIN,),
         "a resumed run sees the first part of its epoch twice",
     ),
     Mutation(
         "sampler-position-ignores-the-other-ranks", "common/data/sampler.py",
         "self.consumed + samples_per_rank * self.world_size)", "self.consumed + samples_per_rank)",
-        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1-evaluating-every-2-steps]",),
+        (FASHION_TWO_RANK_CHAIN,),
         "a multi-rank run resumed mid-epoch repeats samples",
     ),
     Mutation(
@@ -207,7 +209,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "eval-metric-sums-not-reduced", "common/pytorch/metrics.py",
         "            dist.all_reduce(stacked, op=dist.ReduceOp.SUM)", "            pass",
-        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1-evaluating-every-2-steps]",),
+        (FASHION_TWO_RANK_CHAIN,),
         "accuracy on several ranks is rank 0's share of the evaluation only",
     ),
     Mutation(
@@ -222,7 +224,7 @@ MUTATIONS: list[Mutation] = [
         "                                          drop_last=False)",
         "sampler = ResumableDistributedSampler(len(images), dist_info.rank, dist_info.world_size, shuffle=False,\n"
         "                                          drop_last=True)",
-        (f"tests/test_timm_imagenet.py::{CHAIN}[2-SIGUSR1]",),
+        (TIMM_TWO_RANK_CHAIN,),
         "top-1 on 2 ranks leaves out the last val image of an odd count",
     ),
     Mutation(
@@ -234,7 +236,7 @@ MUTATIONS: list[Mutation] = [
     Mutation(
         "worker-exit-code-not-recorded", "common/entry.py",
         "    record_exit_code(stop.exit_code)\n", "",
-        (f"tests/test_fashion_mnist.py::{CHAIN}[2-SIGUSR1-evaluating-every-2-steps]",),
+        (FASHION_TWO_RANK_CHAIN,),
         "under torchrun a pre-empted run exits 1: SLURM scripts and the ISC see a crash",
     ),
     Mutation(
