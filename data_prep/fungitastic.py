@@ -155,11 +155,11 @@ def prepare(out: Path, source: Path | None, size: str, mini: bool, per_species: 
 
 def prepare_weights(overrides: list[str], source: Path | None) -> str:
     """Store the weights ``model.pretrained`` names; say what was done."""
-    from recipes.fungitastic.model import is_hub_name
-
     pretrained = weights.recipe_config("fungitastic", overrides).model.pretrained
     if not pretrained:
         return "none needed (model.pretrained is empty: random initialisation)"
+    from recipes.fungitastic.model import is_hub_name  # timm's models: only when there are weights to store
+
     if is_hub_name(pretrained) and not Path(pretrained).exists():
         if source is not None:
             raise UserError(f"model.pretrained={pretrained} is a hub name: point it at a folder under "

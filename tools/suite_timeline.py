@@ -1,0 +1,78 @@
+"""Where the suite's time went, from the lines ``pytest --timeline FILE`` wrote (``tests/timeline.py``).
+
+    make test PYTEST_ARGS="--timeline /tmp/timeline.jsonl"
+    python -m tools.suite_timeline /tmp/timeline.jsonl [--top 25]
+
+Prints the suite's wall time and CPU seconds (how many cores it kept busy on average), each
+worker's span (a worker that ends long before the others shows a group or a long test handed out
+too late), the tests that used the most CPU, and the CPU of each test module. CPU seconds, not a
+loaded machine's wall time, say what a test costs the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from common.errors import EXIT_USER_ERROR, UserError
+
+
+def read_timeline(path: Path) -> list[dict]:
+    """The timeline's lines; a ``UserError`` for a missing, empty or damaged file."""
+    if not path.is_file():
+        raise UserError(f"{path} does not exist: write it with `make test PYTEST_ARGS=\"--timeline {path}\"`")
+    try:
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path} is not a timeline pytest --timeline wrote ({error})") from None
+    if not lines:
+        raise UserError(f"{path} holds no test")
+    return lines
+
+
+def report(lines: list[dict], top: int) -> str:
+    """The text :func:`main` prints."""
+    start, end = min(line["start"] for line in lines), max(line["end"] for line in lines)
+    wall, cpu = end - start, sum(line["cpu_s"] for line in lines)
+    out = [f"{len(lines)} tests in {wall:.0f} s of wall time, {cpu:.0f} CPU s "
+           f"({cpu / max(wall, 1e-9):.2f} cores busy on average)", "",
+           f"{'worker':<8} {'tests':>6} {'busy s':>8} {'CPU s':>8} {'ends at s':>10}"]
+    workers: dict[str, list[dict]] = defaultdict(list)
+    for line in lines:
+        workers[line["worker"]].append(line)
+    for worker, ran in sorted(workers.items()):
+        busy = sum(line["end"] - line["start"] for line in ran)
+        out.append(f"{worker:<8} {len(ran):>6} {busy:>8.0f} {sum(line['cpu_s'] for line in ran):>8.0f} "
+                   f"{max(line['end'] for line in ran) - start:>10.0f}")
+    out += ["", f"the {min(top, len(lines))} tests that used the most CPU:",
+            f"{'CPU s':>7} {'wall s':>7}  test"]
+    for line in sorted(lines, key=lambda line: -line["cpu_s"])[:top]:
+        out.append(f"{line['cpu_s']:>7.1f} {line['end'] - line['start']:>7.1f}  {line['test']}")
+    modules: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for line in lines:
+        modules[line["test"].split("::", 1)[0]][0] += 1
+        modules[line["test"].split("::", 1)[0]][1] += line["cpu_s"]
+    out += ["", "CPU by test module:", f"{'CPU s':>7} {'share':>6} {'tests':>6}  module"]
+    for module, (count, seconds) in sorted(modules.items(), key=lambda item: -item[1][1]):
+        out.append(f"{seconds:>7.0f} {seconds / max(cpu, 1e-9):>6.1%} {count:>6}  {module}")
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("timeline", type=Path, help="the file pytest --timeline wrote")
+    parser.add_argument("--top", type=int, default=25, help="how many of the costliest tests to list")
+    args = parser.parse_args()
+    try:
+        print(report(read_timeline(args.timeline), args.top))
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
