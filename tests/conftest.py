@@ -18,7 +18,6 @@ from common.entry import exit_process
 from common.pytorch import distributed
 from common.pytorch.distributed import free_port
 from tests import slurm_cluster as sc
-from tests.timeline import pytest_addoption, pytest_runtest_protocol  # noqa: F401  (pytest --timeline FILE)
 from tools.processes import kill_tree
 from tools.tiny_data import write_fashion_mnist
 
