@@ -1,4 +1,6 @@
-"""``pytest --timeline FILE``: one JSON line per test, to see where the suite's time goes.
+"""``pytest --timeline=FILE``: one JSON line per test, to see where the suite's time goes.
+
+(Give it with ``=``: pytest reads a path on its own as the tests' folder before it knows the option.)
 
 Each line holds the test, the xdist worker that ran it, when it started and ended (wall clock),
 and the CPU seconds it used: the worker's own and those of the processes it started and waited

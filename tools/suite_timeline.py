@@ -1,6 +1,6 @@
 """Where the suite's time went, from the lines ``pytest --timeline FILE`` wrote (``tests/timeline.py``).
 
-    make test PYTEST_ARGS="--timeline /tmp/timeline.jsonl"
+    make test PYTEST_ARGS="--timeline=/tmp/timeline.jsonl"
     python -m tools.suite_timeline /tmp/timeline.jsonl [--top 25]
 
 Prints the suite's wall time and CPU seconds (how many cores it kept busy on average), each
@@ -23,7 +23,7 @@ from common.errors import EXIT_USER_ERROR, UserError
 def read_timeline(path: Path) -> list[dict]:
     """The timeline's lines; a ``UserError`` for a missing, empty or damaged file."""
     if not path.is_file():
-        raise UserError(f"{path} does not exist: write it with `make test PYTEST_ARGS=\"--timeline {path}\"`")
+        raise UserError(f"{path} does not exist: write it with `make test PYTEST_ARGS=\"--timeline={path}\"`")
     try:
         lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except json.JSONDecodeError as error:
