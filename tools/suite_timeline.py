@@ -1,4 +1,4 @@
-"""Where the suite's time went, from the lines ``pytest --timeline FILE`` wrote (``tests/timeline.py``).
+"""Where the suite's time went, from the lines ``pytest --timeline=FILE`` wrote (``tests/timeline.py``).
 
     make test PYTEST_ARGS="--timeline=/tmp/timeline.jsonl"
     python -m tools.suite_timeline /tmp/timeline.jsonl [--top 25]
@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
-from common.errors import EXIT_USER_ERROR, UserError
+from common.errors import UserError
+from data_prep.files import run_cli
 
 
 def read_timeline(path: Path) -> list[dict]:
@@ -33,6 +34,14 @@ def read_timeline(path: Path) -> list[dict]:
     return lines
 
 
+def grouped(lines: list[dict], key: Callable[[dict], str]) -> dict[str, list[dict]]:
+    """The lines by ``key`` (a worker, a test module), in their order."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for line in lines:
+        groups[key(line)].append(line)
+    return groups
+
+
 def report(lines: list[dict], top: int) -> str:
     """The text :func:`main` prints."""
     start, end = min(line["start"] for line in lines), max(line["end"] for line in lines)
@@ -40,10 +49,7 @@ def report(lines: list[dict], top: int) -> str:
     out = [f"{len(lines)} tests in {wall:.0f} s of wall time, {cpu:.0f} CPU s "
            f"({cpu / max(wall, 1e-9):.2f} cores busy on average)", "",
            f"{'worker':<8} {'tests':>6} {'busy s':>8} {'CPU s':>8} {'ends at s':>10}"]
-    workers: dict[str, list[dict]] = defaultdict(list)
-    for line in lines:
-        workers[line["worker"]].append(line)
-    for worker, ran in sorted(workers.items()):
+    for worker, ran in sorted(grouped(lines, lambda line: line["worker"]).items()):
         busy = sum(line["end"] - line["start"] for line in ran)
         out.append(f"{worker:<8} {len(ran):>6} {busy:>8.0f} {sum(line['cpu_s'] for line in ran):>8.0f} "
                    f"{max(line['end'] for line in ran) - start:>10.0f}")
@@ -51,28 +57,21 @@ def report(lines: list[dict], top: int) -> str:
             f"{'CPU s':>7} {'wall s':>7}  test"]
     for line in sorted(lines, key=lambda line: -line["cpu_s"])[:top]:
         out.append(f"{line['cpu_s']:>7.1f} {line['end'] - line['start']:>7.1f}  {line['test']}")
-    modules: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for line in lines:
-        modules[line["test"].split("::", 1)[0]][0] += 1
-        modules[line["test"].split("::", 1)[0]][1] += line["cpu_s"]
+    modules = {module: (len(ran), sum(line["cpu_s"] for line in ran))
+               for module, ran in grouped(lines, lambda line: line["test"].split("::", 1)[0]).items()}
     out += ["", "CPU by test module:", f"{'CPU s':>7} {'share':>6} {'tests':>6}  module"]
     for module, (count, seconds) in sorted(modules.items(), key=lambda item: -item[1][1]):
         out.append(f"{seconds:>7.0f} {seconds / max(cpu, 1e-9):>6.1%} {count:>6}  {module}")
     return "\n".join(out)
 
 
-def main() -> int:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("timeline", type=Path, help="the file pytest --timeline wrote")
     parser.add_argument("--top", type=int, default=25, help="how many of the costliest tests to list")
     args = parser.parse_args()
-    try:
-        print(report(read_timeline(args.timeline), args.top))
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    return 0
+    print(report(read_timeline(args.timeline), args.top))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)
