@@ -13,10 +13,17 @@ from tests.conftest import REPO, recipe_env
 TESTS = '''
 import subprocess, sys, time
 
+import pytest
+
 BURN = "import time\\nwhile time.process_time() < 0.5: pass"
 
 
 def test_a_child_burns_half_a_cpu_second():
+    subprocess.run([sys.executable, "-c", BURN], check=True)
+
+
+@pytest.mark.slow
+def test_a_slow_one_burns_as_much():
     subprocess.run([sys.executable, "-c", BURN], check=True)
 
 
@@ -36,17 +43,23 @@ def test_each_test_has_its_worker_span_and_the_cpu_of_its_children_and_the_repor
     lines = {line["test"]: line for line in map(json.loads, timeline.read_text().splitlines())}
     burn = lines["test_two.py::test_a_child_burns_half_a_cpu_second"]
     sleep = lines["test_two.py::test_a_sleep_costs_no_cpu"]
-    assert {burn["worker"], sleep["worker"]} <= {"gw0", "gw1"}
+    slow = lines["test_two.py::test_a_slow_one_burns_as_much"]
+    assert {burn["worker"], sleep["worker"], slow["worker"]} <= {"gw0", "gw1"}
+    assert slow["slow"] and not burn["slow"] and not sleep["slow"]
     assert burn["cpu_s"] >= 0.5, "the child's CPU is not counted"
     assert sleep["end"] - sleep["start"] >= 0.5 and sleep["cpu_s"] < 0.25, "a sleep counted as CPU"
 
-    report = subprocess.run([sys.executable, "-m", "tools.suite_timeline", str(timeline), "--top", "1"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    report = subprocess.run([sys.executable, "-m", "tools.suite_timeline", str(timeline), "--top", "2",
+                             "--slow-cpu-s", "0.5"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr
-    assert report.stdout.startswith("2 tests in "), report.stdout
-    costliest = report.stdout.split("the 1 tests that used the most CPU:\n", 1)[1].splitlines()[1]
-    assert costliest.endswith("  test_two.py::test_a_child_burns_half_a_cpu_second")
-    assert f"{burn['cpu_s'] + sleep['cpu_s']:>7.0f} 100.0%      2  test_two.py" in report.stdout
+    assert report.stdout.startswith("3 tests in "), report.stdout
+    costliest = report.stdout.split("the 2 tests that used the most CPU:\n", 1)[1].splitlines()[1:3]
+    assert sorted(line.split("  ")[-1] for line in costliest) == [
+        "test_two.py::test_a_child_burns_half_a_cpu_second", "test_two.py::test_a_slow_one_burns_as_much"]
+    total = burn["cpu_s"] + sleep["cpu_s"] + slow["cpu_s"]
+    assert f"{total:>7.0f} 100.0%      3  test_two.py" in report.stdout
+    unmarked = report.stdout.split("not marked slow", 1)[1].splitlines()[1:]
+    assert unmarked == [f"{burn['cpu_s']:>7.1f}  test_two.py::test_a_child_burns_half_a_cpu_second"], report.stdout
 
     damaged = tmp_path / "damaged.jsonl"
     damaged.write_text('{"test": "a", "wor')

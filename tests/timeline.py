@@ -3,13 +3,13 @@
 (Give it with ``=``: pytest reads a path on its own as the tests' folder before it knows the option.)
 
 Each line holds the test, the xdist worker that ran it, when it started and ended (wall clock),
-and the CPU seconds it used: the worker's own and those of the processes it started and waited
-for (``resource.getrusage``, so a launcher's ranks and loader workers count). A test's wall time
-on a loaded machine says little of its cost: on 2 cores under 3 workers a test that takes 17 s
-alone has taken 123 s, waiting for the cores. CPU seconds add up to what the cores must do, and
-the workers' lines show when each one ran alone at the end. ``python -m tools.suite_timeline FILE``
-reports both. Not counted: processes the test did not wait for (the jobs a SLURM daemon starts,
-a tree killed with SIGKILL whose children were reparented).
+whether it is marked ``slow``, and the CPU seconds it used: the worker's own and those of the
+processes it started and waited for (``resource.getrusage``, so a launcher's ranks and loader
+workers count). A test's wall time on a loaded machine says little of its cost: on 2 cores under
+3 workers a test that takes 17 s alone has taken 123 s, waiting for the cores. CPU seconds add up
+to what the cores must do, and the workers' lines show when each one ran alone at the end.
+``python -m tools.suite_timeline FILE`` reports both. Not counted: processes the test did not wait
+for (the jobs a SLURM daemon starts, a tree killed with SIGKILL whose children were reparented).
 """
 
 from __future__ import annotations
@@ -45,6 +45,6 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     start, cpu = time.time(), _cpu_seconds()
     yield
     line = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "start": start,
-            "end": time.time(), "cpu_s": _cpu_seconds() - cpu}
+            "end": time.time(), "cpu_s": _cpu_seconds() - cpu, "slow": item.get_closest_marker("slow") is not None}
     with open(path, "a") as timeline:  # one short write per line: the workers' lines do not interleave
         timeline.write(json.dumps(line) + "\n")
