@@ -193,6 +193,7 @@ def test_eval_export_predict_and_init_from_read_the_average_by_name(tmp_path_fac
     assert all(torch.equal(model.state_dict()[key], value) for key, value in state.items())
 
 
+@pytest.mark.slow
 def test_dinov2_shards_of_two_ranks_average_into_weights_one_rank_evaluates_sharded_or_whole(
         tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     run = copied(dinov2_run(tmp_path_factory), tmp_path)

@@ -232,6 +232,7 @@ def test_end_to_end_writes_summary_and_checkpoints(cifar_root: Path, tmp_path: P
     assert latest_step(run_dir / "checkpoints") == summary["steps"]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(cifar_root: Path, tmp_path: Path) -> None:
     """Two ranks, every augmentation, EMA included (its weights are in the metrics compared); 24
     samples per rank = 3 micro-batches of 8: each epoch ends with a 1-micro-batch step. (One

@@ -78,6 +78,7 @@ def slurm_runs(slurm_env: dict[str, str], tmp_path_factory: pytest.TempPathFacto
     return jobs
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_fashion_mnist_sbatch_runs_to_completion(slurm_runs: dict):
     alone = slurm_runs["alone"]
@@ -109,6 +110,7 @@ def test_preempted_sbatch_requeues_resumes_and_matches_uninterrupted_digest(slur
     assert result["model_digest"] == read_summary(alone["run_dir"])["model_digest"]
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_usr1_to_one_task_of_an_array_requeues_that_task_alone(slurm_env: dict[str, str], tmp_path: Path):
     """The task of an array whose $SLURM_JOB_ID is the array's own id (task 0 or the last, by SLURM
@@ -144,6 +146,7 @@ def test_usr1_to_one_task_of_an_array_requeues_that_task_alone(slurm_env: dict[s
         sc.cancel(f"{array}_{other}", env=slurm_env)
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_a_requeued_job_takes_over_the_lock_its_earlier_run_left(slurm_env: dict[str, str], tmp_path: Path):
     """Processes of a job's run before its requeue may linger on another node, heart-beating: the
@@ -178,6 +181,7 @@ def test_a_requeued_job_takes_over_the_lock_its_earlier_run_left(slurm_env: dict
 
 # ---- SLURM: a Hydra sweep through hydra-submitit-launcher -----------------------------------
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_submitit_sweep_requeues_a_signalled_job_which_resumes_to_the_same_digest(
     slurm_env: dict[str, str], tmp_path: Path,

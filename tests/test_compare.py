@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from recipes.fashion_mnist.config import OptimConfig
@@ -25,6 +26,7 @@ def has_colour(image: np.ndarray, rgb: tuple[int, int, int]) -> bool:
     return bool((np.abs(image[..., :3].astype(int) - rgb).max(axis=-1) <= 2).sum() > 20)
 
 
+@pytest.mark.slow
 def test_compare_tabulates_runs_and_sweep_jobs_and_plots_their_curves(fashion_data: Path, tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     for name, lr in (("slow", "0.001"), ("fast", "0.01")):

@@ -184,6 +184,7 @@ def _list_on_a_rank(rank: int, root: str, run_dir: str, out: str) -> None:
                                                          str(path)]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("there_before", ["an older list", "a damaged list"])
 def test_on_two_ranks_local_rank_0_lists_and_the_other_waits_for_that_list(tmp_path: Path, there_before: str) -> None:
     """A list saved earlier is there, whole or damaged: rank 1 must wait for the one rank 0 makes now

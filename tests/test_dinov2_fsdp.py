@@ -104,6 +104,7 @@ def sharded_tensors(run_dir: Path, step: int, tmp_path: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
+@pytest.mark.slow
 def test_probe_then_finetune_with_the_backbone_frozen_in_stage_one(
     reference: Path, pretrained_dir: Path, tmp_path: Path
 ) -> None:
@@ -149,6 +150,7 @@ def test_probe_then_finetune_with_the_backbone_frozen_in_stage_one(
         assert not torch.equal(first_finetune["model"][f"backbone.{name}"], pretrained[name]), name
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(
     reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path
 ) -> None:
@@ -179,6 +181,7 @@ def test_a_linear_sweep_killed_mid_probe_on_two_ranks_resumes_its_heads_and_ends
     assert summary["probe_best"] in {head["head"] for head in summary["probe_heads"]}
 
 
+@pytest.mark.slow
 def test_background_saves_of_the_shards_write_the_same_checkpoints(
     reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path
 ) -> None:
@@ -213,6 +216,7 @@ def copy_checkpoints_up_to(source: Path, destination: Path, step: int) -> None:
     (destination / "checkpoints" / LATEST).symlink_to(destination / "checkpoints" / latest.path.name)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_two_ranks_resumes_on_one_rank(
     reference: Path, cifar_root: Path, pretrained_dir: Path, tmp_path: Path
 ) -> None:

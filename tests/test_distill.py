@@ -215,6 +215,7 @@ def test_a_resume_checks_the_teacher_is_the_one_the_run_began_with(tmp_path_fact
     assert fresh.error is None
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_of_a_distilling_run_ends_with_the_uninterrupted_digest(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A resume loads the teacher again from its path: the run ends as if never interrupted."""

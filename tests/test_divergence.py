@@ -69,6 +69,7 @@ def latest(run_dir: Path):  # noqa: ANN201
     return committed_checkpoints(run_dir / "checkpoints")[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_nan_loss_stops_every_rank_with_code_3_and_the_last_finite_checkpoint_stays_latest(
     fashion_data: Path, tmp_path: Path, nproc: int

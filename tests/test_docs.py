@@ -8,11 +8,13 @@ code (``trainer.batch_size``, ``data.decode=gpu``) is a key of some recipe's sch
 ``mkdocs build --strict`` builds the site ``make docs`` builds, with every picture in it: each
 ```mermaid`` diagram as the ``<pre class="mermaid">`` Material draws, on its page, and each image
 copied into the site; the run's life names the exit codes of the table, and the layers' picture
-says what ``tests/test_layers.py`` and the recipes' imports say.
+says what ``tests/test_layers.py`` and the recipes' imports say. The testing page lists every test
+marked ``slow`` and no other, each with why it must take what it takes.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import html
 import importlib
@@ -380,3 +382,33 @@ def test_the_layers_picture_is_the_layers_and_the_recipes_imports():
         assert all(holds) if arrow == "-->" else any(holds), f"{files[node]} {arrow} layer {layer}: {holds}"
     assert not any(name.startswith("common") for folder in recipes
                    for name in imported_modules(folder / "testing.py")), "testing.py imports common/"
+
+
+SLOW_TABLE = "### Every slow test and why"
+
+
+def slow_tests(tests: Path) -> set[str]:
+    """``tests/<file>::<function>`` of every test function marked ``@pytest.mark.slow`` in ``tests``."""
+    return {f"tests/{path.name}::{node.name}" for path in sorted(tests.glob("test_*.py"))
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.FunctionDef) and "pytest.mark.slow" in map(ast.unparse, node.decorator_list)}
+
+
+def listed_slow_tests(page: str) -> dict[str, str]:
+    """Each test the first column of the testing page's table of slow tests names -> its reason (the
+    last column; a row may name several tests)."""
+    table = next(block for block in page[page.index(SLOW_TABLE):].split("\n\n") if block.startswith("|"))
+    rows = [row.split("|") for row in table.splitlines()[2:]]
+    return {test: row[-2].strip() for row in rows for test in re.findall(r"`(tests/test_\w+\.py::\w+)`", row[1])}
+
+
+def test_the_testing_page_lists_every_slow_test_and_why(tmp_path: Path):
+    listed = listed_slow_tests((REPO / "docs" / "testing.md").read_text())
+    marked = slow_tests(REPO / "tests")
+    assert not marked - set(listed), f"marked slow, not in docs/testing.md's table: {sorted(marked - set(listed))}"
+    assert not set(listed) - marked, f"in docs/testing.md's table, not marked slow: {sorted(set(listed) - marked)}"
+    assert all(len(why) > 20 for why in listed.values()), "every slow test says why it must be slow"
+
+    (tmp_path / "test_a.py").write_text("import pytest\n\n\n@pytest.mark.slow\ndef test_long():\n    pass\n\n\n"
+                                        "@pytest.mark.parametrize('x', [1])\ndef test_short(x):\n    pass\n")
+    assert slow_tests(tmp_path) == {"tests/test_a.py::test_long"}

@@ -83,6 +83,7 @@ def test_tv_segmentation_reports_miou_and_pixel_accuracy(tmp_path_factory: pytes
     assert "eval/iou/background" in metrics
 
 
+@pytest.mark.slow
 def test_dinov2_shards_of_two_ranks_evaluate_on_one_and_on_two(tmp_path_factory: pytest.TempPathFactory) -> None:
     run = dinov2_run(tmp_path_factory)
     latest = json.loads((run / "checkpoints" / "AtomicDirectory.latest_checkpoint" / "manifest.json").read_text())

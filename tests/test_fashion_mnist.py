@@ -78,6 +78,7 @@ def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(fashion_d
                          list(range(steps_per_epoch, summary["steps"] + 1, steps_per_epoch)))
 
 
+@pytest.mark.slow
 def test_a_finished_run_extended_on_another_number_of_ranks_continues(fashion_data: Path, tmp_path: Path) -> None:
     """A run that finished after 3 steps on 2 ranks, started again on 1 rank with room for more,
     trains on with the same global batch (2 micro-batches where 2 ranks had one each), evaluates

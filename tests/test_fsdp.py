@@ -104,6 +104,7 @@ def _flat(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     return flat
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("recipe", "nproc"), [("timm_imagenet", 2), ("fungitastic", 1)])
 def test_make_eval_reads_the_shards_and_gives_the_metrics_the_run_reported(
         recipe: str, nproc: int, tmp_path_factory: pytest.TempPathFactory) -> None:

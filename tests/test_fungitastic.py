@@ -245,6 +245,7 @@ def test_pretrained_weights_from_a_local_file_fill_the_backbone_and_species_head
         load_pretrained(model, str(tmp_path / "absent.pth"))
 
 
+@pytest.mark.slow
 def test_prep_stores_the_pretrained_weights_and_the_run_reads_only_that_copy(fungi_data: Path,
                                                                              tmp_path: Path) -> None:
     """WEIGHTS=<a timm save_for_hf folder> is stored where model.pretrained points; the run (offline) uses it."""
@@ -330,6 +331,7 @@ def fungi_data_one_val_image_missing(fungi_data: Path, tmp_path_factory: pytest.
     return data
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_a_stop_signal_then_resume_is_bit_exact(fungi_data_one_val_image_missing: Path,
                                                                        tmp_path: Path) -> None:
     """Two ranks, each loading with a worker (which must not change the augmentation, and must

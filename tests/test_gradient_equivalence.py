@@ -201,6 +201,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return [torch.load(folder / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_ranks_give_the_gradient_of_one_rank_with_the_same_global_batch(
         recipe: str, two_ranks: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -92,6 +92,7 @@ def test_mismatched_shapes_are_one_line_naming_the_first_tensor(tmp_path_factory
         f"[64, 3, 3, 3] here"]
 
 
+@pytest.mark.slow
 def test_dinov2_on_two_fsdp_ranks_starts_from_the_export_of_a_sharded_run(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:

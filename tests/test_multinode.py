@@ -349,6 +349,7 @@ def record(scenarios: dict, name: str) -> dict:
     return scenarios[name]
 
 
+@pytest.mark.slow
 def test_two_node_job_meets_at_the_first_node_and_ends_like_a_two_process_single_node_run(
         scenarios: dict, multinode_slurm: sc.LocalCluster):
     """The pre-empted and requeued 2-node job's model is the 2-process single-node run's: the nodes'
@@ -478,6 +479,7 @@ def launch_on(cluster: sc.LocalCluster, node: str, args: list[str], log_dir: Pat
                                      BACKEND="gloo", **env))
 
 
+@pytest.mark.slow
 def test_launch_on_two_nodes_node1_reaches_node0_by_its_address(multinode_slurm: sc.LocalCluster, tmp_path: Path):
     cluster = multinode_slurm
     data = write_fashion_mnist(tmp_path / "data")

@@ -184,6 +184,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "failing"), [("fashion_mnist", [1]), ("timm_imagenet-fsdp", [0, 1])])
 def test_on_two_ranks_every_rank_agrees_on_the_halved_micro_batch(
         name: str, failing: list[int], two_ranks: list[dict[str, Any]]) -> None:

@@ -120,6 +120,7 @@ def file_state(run_dir: Path) -> dict[str, bytes]:
             for path in sorted(run_dir.rglob("*")) if path.relative_to(run_dir).parts[0] != HEARTBEAT_DIR}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_second_launch_on_a_running_run_exits_2_naming_it_and_touches_nothing(
     fashion_data: Path, tmp_path: Path, nproc: int

@@ -202,6 +202,7 @@ def two_workers(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "overrides": overrides}
 
 
+@pytest.mark.slow
 def test_two_workers_at_once_finish_the_trials_asked_for_and_run_none_twice(two_workers: dict) -> None:
     outputs, study = two_workers["outputs"], two_workers["study"]
     assert two_workers["codes"] == [0, 0], "\n\n".join(outputs)
@@ -245,6 +246,7 @@ def test_a_report_prints_every_trial_and_draws_the_plots(two_workers: dict) -> N
 # ---- pre-emption loses nothing ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_worker_stopped_mid_trial_leaves_it_to_the_next_worker_while_the_other_goes_on(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Trial 0 pauses after its step-2 checkpoint in whichever worker takes it; the other worker
@@ -296,6 +298,7 @@ def test_a_worker_stopped_mid_trial_leaves_it_to_the_next_worker_while_the_other
     assert record["trials"][0]["value"] == summary["metrics"]["eval/top1"]
 
 
+@pytest.mark.slow
 def test_a_worker_sigkilled_mid_trial_and_started_again_resumes_that_trial_to_the_uninterrupted_digest(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A trial is a run of the recipe like any other; each recipe's own resume chain covers the
@@ -342,6 +345,7 @@ def enqueued_study(folder: Path, space_text: str, overrides: list[str], trials: 
     return space_path, folder / "study"
 
 
+@pytest.mark.slow
 def test_a_trial_the_median_pruner_stops_checkpoints_and_is_recorded_pruned(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Two ranks per trial (the ranks agree on rank 0's answer). Trial 0 learns; trial 1, at a
@@ -441,6 +445,7 @@ def test_a_study_in_a_database_instead_of_the_journal(tmp_path: Path, tmp_path_f
 # ---- what a study folder can hold that is not the study's --------------------------------------
 
 
+@pytest.mark.slow
 def test_a_folder_in_the_way_of_a_trial_is_moved_aside_never_resumed_with_other_parameters(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A study whose journal was lost (deleted, or an older copy restored) asks for trial 0 again;
@@ -506,6 +511,7 @@ def isc_command(isc: dict[str, str], space: Path, overrides: list[str]) -> list[
             *(word for word in own if not word.startswith("data.root=")), *overrides]
 
 
+@pytest.mark.slow
 def test_a_search_on_the_isc_goes_on_across_cycles_from_what_the_isc_ships(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The command of cluster/isc/search/fashion_mnist.isc, locally. Cycle 1 ends with a SIGKILL of

@@ -24,6 +24,7 @@ from tests.test_search import (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_a_slurm_array_of_two_workers_with_one_requeued_by_usr1_finishes_the_study(
         slurm_env: dict[str, str], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
