@@ -54,7 +54,7 @@ def prep(source: Path, out: Path, *args: str, mini: bool = False,
     """The prep script; by default for a config without pretrained weights (the tests train from scratch)."""
     env = recipe_env(MINI="1" if mini else "0")
     return subprocess.run([sys.executable, "-m", "data_prep.fungitastic", "--source", str(source), "--out", str(out),
-                           *args, *weights], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+                           *args, *weights], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def overrides(data: Path, run_dir: Path | None, *extra: str) -> list[str]:

@@ -140,8 +140,9 @@ def test_nodes_look_like_separate_hosts(multinode_slurm: sc.LocalCluster, tmp_pa
     scratch = cluster.state_dir / "scratch"
     assert sorted(line.split() for line in result.stdout.splitlines()) == [
         [node, addrs[node], *hosts, f"TMPDIR={scratch}"] for node in cluster.nodes], result.stdout
-    for node in cluster.nodes:  # one TMPDIR path, a different folder behind it on each node
-        assert sorted(p.name for p in cluster.scratch(node).iterdir()) == [f"seen-by-{node}"]
+    # One TMPDIR path, a different folder behind it on each node (where earlier tests' jobs left files too).
+    for node in cluster.nodes:
+        assert sorted(p.name for p in cluster.scratch(node).glob("seen-by-*")) == [f"seen-by-{node}"]
         (cluster.scratch(node) / f"seen-by-{node}").unlink()
 
 
